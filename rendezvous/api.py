@@ -1,0 +1,69 @@
+"""What a rendezvous gives the agent, whatever the backend.
+
+A rendezvous round turns "these agents want to run job J" into a world: how many nodes,
+which node rank this agent has, where the workers' store is. The agent calls
+:meth:`RendezvousHandler.next_rendezvous` once per attempt (the first start and every
+restart) and :meth:`RendezvousHandler.shutdown` once at the end.
+
+Every round hosts a *fresh* store for the workers: a restart never reuses a store that a
+dead attempt wrote to (torchrun 2.13 does, and its restarts then fail in gloo's
+``connectFullMesh`` with stale peer addresses).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+
+class RendezvousError(RuntimeError):
+    """The rendezvous cannot form a world; the message says why, in one line."""
+
+
+@dataclass(frozen=True)
+class RendezvousInfo:
+    """One formed world, as this node sees it.
+
+    Args:
+        round: the round number (0 for the first attempt, +1 per restart).
+        node_rank: this node's rank (GROUP_RANK).
+        nnodes: number of nodes in the world (GROUP_WORLD_SIZE).
+        rank_offset: global rank of this node's local rank 0.
+        world_size: total number of workers (WORLD_SIZE).
+        master_addr, master_port: the workers' store (MASTER_ADDR, MASTER_PORT).
+        use_agent_store: True only if an agent hosts that store
+            (TORCHELASTIC_USE_AGENT_STORE): workers then connect as clients.
+    """
+
+    round: int
+    node_rank: int
+    nnodes: int
+    rank_offset: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    use_agent_store: bool
+
+
+class RendezvousHandler(abc.ABC):
+    """One agent's view of the job's membership."""
+
+    @property
+    @abc.abstractmethod
+    def run_id(self) -> str:
+        """The job id every node shares (TORCHELASTIC_RUN_ID)."""
+
+    @abc.abstractmethod
+    def next_rendezvous(self, local_world_size: int) -> RendezvousInfo:
+        """Join the next round and return the world it formed.
+
+        Args:
+            local_world_size: how many workers this node brings.
+
+        Raises:
+            RendezvousError: the world cannot form (timeout, bad endpoint...).
+        """
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Leave the job and release what this agent hosts; safe to call twice."""

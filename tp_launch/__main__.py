@@ -1,0 +1,3 @@
+from tp_launch.cli import main
+
+main()

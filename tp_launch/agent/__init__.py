@@ -1,0 +1,5 @@
+"""The node agent: one per node, it runs and watches this node's workers."""
+
+from tp_launch.agent.node_agent import NodeAgent, run_agent
+
+__all__ = ["NodeAgent", "run_agent"]

@@ -1,0 +1,230 @@
+"""The node agent in torchrun-compatible mode: rendezvous, spawn, monitor, restart, stop.
+
+One attempt runs as follows:
+
+1. ``next_rendezvous`` forms the world and hosts a fresh store for it.
+2. The agent lays out ``attempt_<n>`` and spawns this node's workers (from the main
+   thread: see :mod:`tp_launch.procs.worker` for why).
+3. It waits on the workers' pidfds and on a signal wake-up fd, so a worker's death or a
+   signal is seen at once; ``--monitor-interval`` only bounds the wait.
+4. All workers exit 0: the job succeeded (exit 0). A worker fails: the others get
+   SIGTERM and, after ``--shutdown-timeout``, SIGKILL; then either a restart (a new
+   round, a new store, ``TORCHELASTIC_RESTART_COUNT`` + 1) or, with no restarts left,
+   the failure summary and exit 1. A handled signal is forwarded to the workers, which
+   get the same grace period; the agent then exits 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import selectors
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+
+from rendezvous import RendezvousError, RendezvousHandler, RendezvousInfo, create_handler
+from tp_launch.agent.failures import ProcessFailure, copy_root_cause, format_summary
+from tp_launch.agent.worker_env import worker_argv, worker_env
+from tp_launch.config import ConfigError, LaunchConfig
+from tp_launch.procs.logs import AttemptLogs, ConsoleTail, LogLayout
+from tp_launch.procs.worker import WorkerProcess, stop_workers
+
+logger = logging.getLogger(__name__)
+
+OMP_WARNING = (
+    "\n*****************************************\n"
+    "Setting OMP_NUM_THREADS environment variable for each process to be "
+    "1 in default, to avoid your system being overloaded, "
+    "please further tune the variable for optimal performance in "
+    "your application as needed. \n"
+    "*****************************************"
+)
+
+
+class SignalReceived(Exception):
+    def __init__(self, sig: signal.Signals) -> None:
+        super().__init__(f"received {sig.name}")
+        self.sig = sig
+
+
+@dataclass
+class AttemptResult:
+    """How one attempt ended: ``failures`` empty means every worker exited 0."""
+
+    failures: list[ProcessFailure] = field(default_factory=list)
+    root: ProcessFailure | None = None
+
+
+class SignalWatch:
+    """Turns handled signals into a readable fd and a queue, for the agent's select."""
+
+    def __init__(self, signals: list[signal.Signals]) -> None:
+        self._r, self._w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.pending: list[signal.Signals] = []
+        self._old = {sig: signal.signal(sig, self._on_signal) for sig in signals}
+        self._old_wakeup = signal.set_wakeup_fd(self._w, warn_on_full_buffer=False)
+
+    @property
+    def fd(self) -> int:
+        return self._r
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self.pending.append(signal.Signals(signum))
+
+    def drain(self) -> None:
+        try:
+            while os.read(self._r, 512):
+                pass
+        except BlockingIOError:
+            pass
+
+    def raise_pending(self) -> None:
+        if self.pending:
+            raise SignalReceived(self.pending[0])
+
+    def close(self) -> None:
+        signal.set_wakeup_fd(self._old_wakeup)
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+        os.close(self._r)
+        os.close(self._w)
+
+
+class NodeAgent:
+    """Runs this node's share of the job until it succeeds, fails, or is signalled.
+
+    Args:
+        config: the launch configuration.
+        rdzv: the rendezvous handler for this job.
+    """
+
+    def __init__(self, config: LaunchConfig, rdzv: RendezvousHandler) -> None:
+        self.config = config
+        self.rdzv = rdzv
+        self.workers: list[WorkerProcess] = []
+        self.layout = LogLayout(config, rdzv.run_id)
+
+    def run(self) -> int:
+        """The agent's whole life; returns tp-run's exit status."""
+        cfg = self.config
+        watch = SignalWatch(cfg.signals_to_handle)
+        try:
+            restart_count = 0
+            while True:
+                watch.raise_pending()
+                info = self.rdzv.next_rendezvous(cfg.nproc_per_node)
+                result = self._run_attempt(info, restart_count, watch)
+                if not result.failures:
+                    logger.info("[%s] worker group successfully finished", cfg.role)
+                    self.layout.remove_if_temporary()
+                    return 0
+                if restart_count < cfg.max_restarts:
+                    restart_count += 1
+                    logger.warning(
+                        "[%s] Worker group FAILED. %s/%s attempts left; will restart worker group",
+                        cfg.role, cfg.max_restarts - restart_count + 1, cfg.max_restarts)
+                    continue
+                assert result.root is not None
+                print(format_summary(cfg.name, result.root, result.failures), file=sys.stderr)
+                copy_root_cause(result.root)
+                return 1
+        except SignalReceived as e:
+            logger.warning("Received %s death signal, shutting down workers", e.sig.name)
+            stop_workers(self.workers, e.sig, cfg.shutdown_timeout)
+            print(f"tp-run: stopped by {e.sig.name}; workers shut down", file=sys.stderr)
+            return 1
+        finally:
+            stop_workers(self.workers, signal.SIGTERM, cfg.shutdown_timeout)
+            self._release_workers()
+            self.rdzv.shutdown()
+            watch.close()
+
+    def _run_attempt(self, info: RendezvousInfo, restart_count: int,
+                     watch: SignalWatch) -> AttemptResult:
+        cfg = self.config
+        logs = self.layout.attempt(restart_count)
+        global_ranks = {r: info.rank_offset + r for r in range(cfg.nproc_per_node)}
+        tail = ConsoleTail(cfg, logs, global_ranks)
+        try:
+            self._spawn(info, restart_count, logs)
+            return self._monitor(watch, global_ranks)
+        finally:
+            stop_workers(self.workers, signal.SIGTERM, cfg.shutdown_timeout)
+            tail.stop()
+            self._release_workers()
+
+    def _spawn(self, info: RendezvousInfo, restart_count: int, logs: AttemptLogs) -> None:
+        for local_rank in range(self.config.nproc_per_node):
+            rl = logs.ranks[local_rank]
+            env = worker_env(self.config, info, local_rank, restart_count, rl.error_file)
+            argv = worker_argv(self.config, local_rank)
+            try:
+                self.workers.append(WorkerProcess(argv, env, rl.stdout, rl.stderr, local_rank))
+            except OSError as e:
+                raise ConfigError(f"cannot start {argv[0]}: {e.strerror or e}") from None
+
+    def _monitor(self, watch: SignalWatch, global_ranks: dict[int, int]) -> AttemptResult:
+        """Wait until every worker exited 0, or one failed (then stop the others)."""
+        cfg = self.config
+        sel = selectors.DefaultSelector()
+        sel.register(watch.fd, selectors.EVENT_READ, None)
+        for w in self.workers:
+            sel.register(w.pidfd, selectors.EVENT_READ, w)
+        try:
+            running = set(self.workers)
+            while running:
+                for key, _ in sel.select(timeout=max(cfg.monitor_interval, 0.01)):
+                    if key.data is None:
+                        watch.drain()
+                    else:
+                        sel.unregister(key.fd)
+                watch.raise_pending()
+                failed = []
+                for w in list(running):
+                    code = w.returncode
+                    if code is None:
+                        continue
+                    running.discard(w)
+                    if code != 0:
+                        failed.append(w)
+                if failed:
+                    return self._fail(failed, global_ranks)
+            return AttemptResult()
+        finally:
+            sel.close()
+
+    def _fail(self, first: list[WorkerProcess], global_ranks: dict[int, int]) -> AttemptResult:
+        cfg = self.config
+        for w in first:
+            logger.error("failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s",
+                         w.returncode, w.local_rank, w.pid, cfg.entrypoint[0])
+        stop_workers(self.workers, signal.SIGTERM, cfg.shutdown_timeout)
+        failures = [
+            ProcessFailure(rank=global_ranks[w.local_rank], local_rank=w.local_rank, pid=w.pid,
+                           exitcode=w.returncode, error_file=w.error_file,
+                           observed=w.exit_time or time.time())
+            for w in self.workers if w.returncode
+        ]
+        root = min((f for f in failures if f.pid in {w.pid for w in first}),
+                   key=lambda f: f.observed)
+        return AttemptResult(failures, root)
+
+    def _release_workers(self) -> None:
+        for w in self.workers:
+            w.close()
+        self.workers = []
+
+
+def run_agent(config: LaunchConfig) -> int:
+    """Run the agent for ``config``; setup errors become one line and exit 2."""
+    if "OMP_NUM_THREADS" not in os.environ and config.nproc_per_node > 1:
+        logger.warning(OMP_WARNING)
+        os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        rdzv = create_handler(config)
+        return NodeAgent(config, rdzv).run()
+    except (RendezvousError, ConfigError, NotADirectoryError) as e:
+        print(f"tp-run: error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, ConfigError) else 1

@@ -1,0 +1,268 @@
+"""The ``tp-run`` command: torchrun's command line, option for option.
+
+Every torchrun 2.13 option is accepted with both its ``-`` and ``_`` spellings, the
+same default and the same ``PET_<DEST>`` environment fallback. Option parsing stops at
+the training script: everything after it reaches the script untouched. Bad input is one
+line on stderr (``tp-run: error: ...``) and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import uuid
+from typing import Any, Callable
+
+import click
+
+from tp_launch.config import (
+    ConfigError,
+    LaunchConfig,
+    parse_comma_list,
+    parse_local_ranks_filter,
+    parse_nnodes,
+    parse_nproc_per_node,
+    parse_rdzv_conf,
+    parse_signals,
+    parse_std_map,
+)
+
+logger = logging.getLogger("tp_launch")
+
+USAGE_EXIT = 2
+NUMA_MODES = ("node", "socket", "exclusive", "core-complex")
+
+
+def _opt(*names: str, **kwargs: Any) -> Callable:
+    """A click option that also reads ``PET_<DEST>``, torchrun's environment fallback.
+
+    The first ``--long-name`` gives the destination, as in torchrun (argparse takes the
+    first long option string): ``--nproc-per-node`` -> ``PET_NPROC_PER_NODE``.
+    """
+    long_names = [n for n in names if n.startswith("--")]
+    dest = long_names[0][2:].replace("-", "_")
+    kwargs.setdefault("envvar", f"PET_{dest.upper()}")
+    kwargs.setdefault("show_default", "default" in kwargs and not kwargs.get("is_flag"))
+    return click.option(*names, dest, **kwargs)
+
+
+@click.command(
+    name="tp-run",
+    context_settings={
+        "allow_interspersed_args": False,
+        "help_option_names": ["-h", "--help"],
+        "max_content_width": 100,
+    },
+)
+@_opt("--nnodes", default="1:1", help="Number of nodes, or a range MIN:MAX.")
+@_opt("--nproc-per-node", "--nproc_per_node", default="1",
+      help="Workers per node: an integer, or auto, cpu, gpu, xpu.")
+@_opt("--rdzv-backend", "--rdzv_backend", default="static",
+      help="Rendezvous backend: static, c10d, etcd (etcd-v2 and etcd-v3 mean the etcd v3 API).")
+@_opt("--rdzv-endpoint", "--rdzv_endpoint", default="", help="Rendezvous endpoint, host:port.")
+@_opt("--rdzv-id", "--rdzv_id", default="none", help="Job id, the same on every node.")
+@_opt("--rdzv-conf", "--rdzv_conf", default="",
+      help="Extra rendezvous settings: key1=value1,key2=value2.")
+@_opt("--standalone", is_flag=True,
+      help="Single-node job on a store this agent hosts on a free port; "
+      "ignores --rdzv-backend/--rdzv-endpoint/--rdzv-id.")
+@_opt("--max-restarts", "--max_restarts", default=0, type=click.IntRange(min=0),
+      help="Restarts of the whole worker group before the job fails.")
+@_opt("--monitor-interval", "--monitor_interval", default=0.1, type=click.FloatRange(min=0.0),
+      help="Seconds between checks of the workers (a worker's death is also seen at once).")
+@_opt("--start-method", "--start_method", default="spawn",
+      type=click.Choice(["spawn", "fork", "forkserver"]),
+      help="Accepted for torchrun compatibility; script workers are always new processes.")
+@_opt("--event-log-handler", "--event_log_handler", default="null",
+      help="Where agent events go: null or console.")
+@_opt("--role", default="default", help="Role name of the workers (ROLE_NAME).")
+@_opt("-m", "--module", is_flag=True, help="Run the script as a module, like python -m.")
+@_opt("--no-python", "--no_python", is_flag=True,
+      help="Run the script directly, not through python.")
+@_opt("--run-path", "--run_path", is_flag=True,
+      help="Run the script with runpy.run_path (takes precedence over --no-python).")
+@_opt("--log-dir", "--log_dir", default=None,
+      help="Base directory for per-run, per-attempt, per-rank logs (default: a temp dir).")
+@_opt("-r", "--redirects", default="0",
+      help="Send worker streams to files: 0 none, 1 stdout, 2 stderr, 3 both; "
+      "or per local rank, e.g. 0:1,1:2.")
+@_opt("-t", "--tee", default="0", help="Like --redirects, and also print to the console.")
+@_opt("--local-ranks-filter", "--local_ranks_filter", default="",
+      help="Show only these local ranks' output on the console, e.g. 0,1.")
+@_opt("--duplicate-stdout-filters", "--duplicate_stdout_filters", default="",
+      help="Copy tee'd stdout lines containing any of these strings (comma separated, "
+      ",, for a comma) to filtered_stdout.log.")
+@_opt("--duplicate-stderr-filters", "--duplicate_stderr_filters", default="",
+      help="The same for stderr, into filtered_stderr.log.")
+@_opt("--node-rank", "--node_rank", default=0, type=click.IntRange(min=0),
+      help="This node's rank (static rendezvous only).")
+@_opt("--master-addr", "--master_addr", default="127.0.0.1",
+      help="Address of node 0 (static rendezvous only).")
+@_opt("--master-port", "--master_port", default=None, type=click.IntRange(0, 65535),
+      help="Port on node 0 (static rendezvous only); default 29500.")
+@_opt("--local-addr", "--local_addr", default=None,
+      help="This node's address as other nodes reach it (default: its FQDN).")
+@_opt("--logs-specs", "--logs_specs", default=None, envvar=None,
+      help="Name of a torchrun.logs_specs entry point that lays out the log files.")
+@_opt("--numa-binding", "--numa_binding", default=None, envvar=None,
+      type=click.Choice(NUMA_MODES), help="Bind workers to CPUs near their GPU.")
+@_opt("--signals-to-handle", "--signals_to_handle", default="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+      help="Signals forwarded to the workers before tp-run stops them and exits 1.")
+@_opt("--shutdown-timeout", "--shutdown_timeout", default=None, type=click.IntRange(min=0),
+      help="Seconds a stopping worker gets before SIGKILL "
+      "(default: TORCH_ELASTIC_SHUTDOWN_TIMEOUT or 30).")
+@_opt("--virtual-local-rank", "--virtual_local_rank", is_flag=True,
+      help="LOCAL_RANK=0 for every worker, each seeing only its own GPU.")
+@click.argument("training_script", envvar=None)
+@click.argument("training_script_args", nargs=-1, type=click.UNPROCESSED)
+def tp_run(**opts: Any) -> int:
+    """Launch TRAINING_SCRIPT on this node's workers, like torchrun.
+
+    Everything after TRAINING_SCRIPT is passed to the script as is.
+    """
+    config = config_from_options(opts)
+    from tp_launch.agent import run_agent
+
+    return run_agent(config)
+
+
+def config_from_options(opts: dict[str, Any]) -> LaunchConfig:
+    """Resolve torchrun's defaults (standalone, master port) into a LaunchConfig."""
+    min_nodes, max_nodes = parse_nnodes(opts["nnodes"])
+    nproc = parse_nproc_per_node(opts["nproc_per_node"])
+    backend, endpoint, run_id = opts["rdzv_backend"], opts["rdzv_endpoint"], opts["rdzv_id"]
+    master_port = opts["master_port"]
+    standalone = opts["standalone"]
+    if standalone or (backend == "static" and not endpoint and master_port is None
+                      and max_nodes == 1):
+        # torchrun's (automatic) standalone: a store this agent hosts on a free port.
+        standalone = True
+        backend, endpoint, run_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if master_port is None:
+        master_port = 29500
+    if backend == "static" and not endpoint:
+        endpoint = f"{opts['master_addr']}:{master_port}"
+
+    script, script_args = opts["training_script"], list(opts["training_script_args"])
+    if script == "--" and script_args:
+        script, script_args = script_args[0], script_args[1:]
+    if opts["no_python"] and opts["module"] and not opts["run_path"]:
+        raise ConfigError("--no-python and -m/--module cannot be used together")
+    entrypoint, name = _entrypoint(script, script_args, opts)
+
+    shutdown_timeout = opts["shutdown_timeout"]
+    if shutdown_timeout is None:
+        env_timeout = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")
+        try:
+            shutdown_timeout = float(env_timeout)
+        except ValueError:
+            raise ConfigError(
+                f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={env_timeout!r} is not a number of seconds"
+            ) from None
+
+    return LaunchConfig(
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=nproc,
+        rdzv_backend=backend,
+        rdzv_endpoint=endpoint,
+        run_id=run_id,
+        rdzv_configs=parse_rdzv_conf(opts["rdzv_conf"]),
+        standalone=standalone,
+        max_restarts=opts["max_restarts"],
+        monitor_interval=opts["monitor_interval"],
+        start_method=opts["start_method"],
+        event_log_handler=opts["event_log_handler"],
+        role=opts["role"],
+        entrypoint=entrypoint,
+        name=name,
+        log_dir=opts["log_dir"],
+        redirects=parse_std_map(opts["redirects"], "--redirects", nproc),
+        tee=parse_std_map(opts["tee"], "--tee", nproc),
+        local_ranks_filter=parse_local_ranks_filter(opts["local_ranks_filter"]),
+        duplicate_stdout_filters=parse_comma_list(opts["duplicate_stdout_filters"]),
+        duplicate_stderr_filters=parse_comma_list(opts["duplicate_stderr_filters"]),
+        node_rank=opts["node_rank"],
+        master_addr=opts["master_addr"],
+        master_port=master_port,
+        local_addr=opts["local_addr"],
+        numa_binding=opts["numa_binding"],
+        signals_to_handle=parse_signals(opts["signals_to_handle"]),
+        signals_to_handle_str=opts["signals_to_handle"],
+        shutdown_timeout=shutdown_timeout,
+        virtual_local_rank=opts["virtual_local_rank"],
+        log_line_prefix_template=os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
+    )
+
+
+def _entrypoint(script: str, args: list[str], opts: dict[str, Any]) -> tuple[list[str], str]:
+    """The worker's argv (before ``${local_rank}`` substitution) and the job's name."""
+    python = os.environ.get("PYTHON_EXEC", sys.executable)
+    if opts["run_path"]:
+        if not os.path.isfile(script):
+            raise ConfigError(f"training script not found: {script}")
+        return [python, "-u", "-m", "tp_launch.procs.run_path", script, *args], "run_script_path"
+    if opts["no_python"]:
+        found = os.path.exists(script) if os.sep in script else _on_path(script)
+        if not found:
+            raise ConfigError(f"program not found: {script}")
+        return [script, *args], script
+    if opts["module"]:
+        return [python, "-u", "-m", script, *args], python if python != sys.executable else script
+    if not os.path.exists(script):
+        raise ConfigError(f"training script not found: {script}")
+    return [python, "-u", script, *args], python if python != sys.executable else script
+
+
+def _on_path(program: str) -> bool:
+    import shutil
+
+    return shutil.which(program) is not None
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: click parsing with one-line usage errors."""
+    _setup_logging()
+    try:
+        code = tp_run.main(args=argv, prog_name="tp-run", standalone_mode=False)
+    except click.UsageError as e:
+        click.echo(f"tp-run: error: {e.format_message()}", err=True)
+        sys.exit(USAGE_EXIT)
+    except ConfigError as e:
+        click.echo(f"tp-run: error: {e}", err=True)
+        sys.exit(USAGE_EXIT)
+    except click.exceptions.Abort:
+        sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+class _EveryLineFormatter(logging.Formatter):
+    """Puts the record's header on every line of a multi-line message, as torchrun does."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        message = record.getMessage()
+        header = text[: len(text) - len(message)] if text.endswith(message) else ""
+        if not header or "\n" not in message:
+            return text
+        return "\n".join(header + line for line in message.split("\n"))
+
+
+def _setup_logging() -> None:
+    """Agent log lines in torchrun's shape: ``W1202 17:55:32.779000 2474 file:line] msg``."""
+    level = os.environ.get("LOGLEVEL", "WARNING").upper()
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_EveryLineFormatter(
+        "%(levelname).1s%(asctime)s.%(msecs)03d000 %(process)d %(name)s:%(lineno)d] %(message)s",
+        datefmt="%m%d %H:%M:%S",
+    ))
+    for name in ("tp_launch", "rendezvous"):
+        log = logging.getLogger(name)
+        log.addHandler(handler)
+        log.setLevel(level if level in logging._nameToLevel else "WARNING")
+        log.propagate = False
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+"""The launch configuration: what one ``tp-run`` invocation asks for.
+
+The click command in :mod:`tp_launch.cli` turns a torchrun-style command line into a
+:class:`LaunchConfig`; the agent, the process layer and the rendezvous backends read
+only this object. The small parsers here hold torchrun's value grammars (``--nnodes
+MIN:MAX``, ``-r 0:1,1:2``, ``--rdzv-conf k=v,...``) once, with errors a user can act on.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import re
+import signal
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A launch option has a value tp-run cannot use; the message is shown as is."""
+
+
+class Std(enum.IntFlag):
+    """Which standard streams of a worker go to a file (torchrun's ``Std``)."""
+
+    NONE = 0
+    OUT = 1
+    ERR = 2
+    ALL = 3
+
+
+@dataclass
+class LaunchConfig:
+    """Everything the agent needs to run one job on this node.
+
+    Args:
+        min_nodes, max_nodes: torchrun's ``--nnodes MIN:MAX``.
+        nproc_per_node: workers on this node.
+        rdzv_backend: ``static``, ``c10d``, ``etcd``...; after standalone resolution.
+        rdzv_endpoint: ``host:port`` of the rendezvous service ("" if none).
+        run_id: the job id (``--rdzv-id``), shared by every node of the job.
+        rdzv_configs: parsed ``--rdzv-conf``.
+        entrypoint: the worker command up to and including the script's own arguments.
+        name: the job's name in the failure summary (the script or module).
+        redirects, tee: per local rank, which streams go to files (and to the console).
+        log_dir: base log directory (None: a temporary one), ``os.devnull``: no files.
+        signals_to_handle: signals the agent forwards to its workers, then exits 1.
+        shutdown_timeout: seconds between the polite signal and SIGKILL.
+    """
+
+    min_nodes: int = 1
+    max_nodes: int = 1
+    nproc_per_node: int = 1
+    rdzv_backend: str = "static"
+    rdzv_endpoint: str = ""
+    run_id: str = "none"
+    rdzv_configs: dict[str, str] = field(default_factory=dict)
+    standalone: bool = False
+    max_restarts: int = 0
+    monitor_interval: float = 0.1
+    start_method: str = "spawn"
+    event_log_handler: str = "null"
+    role: str = "default"
+    entrypoint: list[str] = field(default_factory=list)
+    name: str = ""
+    log_dir: str | None = None
+    redirects: dict[int, Std] = field(default_factory=dict)
+    tee: dict[int, Std] = field(default_factory=dict)
+    local_ranks_filter: set[int] | None = None
+    duplicate_stdout_filters: list[str] = field(default_factory=list)
+    duplicate_stderr_filters: list[str] = field(default_factory=list)
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    local_addr: str | None = None
+    numa_binding: str | None = None
+    signals_to_handle: list[signal.Signals] = field(
+        default_factory=lambda: [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT]
+    )
+    signals_to_handle_str: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+    shutdown_timeout: float = 30.0
+    virtual_local_rank: bool = False
+    log_line_prefix_template: str | None = None
+
+
+def parse_nnodes(value: str) -> tuple[int, int]:
+    """``"2"`` -> (2, 2); ``"1:4"`` -> (1, 4); anything else is a ConfigError."""
+    parts = value.split(":")
+    try:
+        if len(parts) == 1:
+            lo = hi = int(parts[0])
+        elif len(parts) == 2:
+            lo, hi = int(parts[0]), int(parts[1])
+        else:
+            raise ValueError
+    except ValueError:
+        raise ConfigError(f"--nnodes={value!r} is not N or MIN:MAX (integers)") from None
+    if not 0 < lo <= hi:
+        raise ConfigError(f"--nnodes={value!r}: need 0 < MIN <= MAX")
+    return lo, hi
+
+
+def parse_nproc_per_node(value: str) -> int:
+    """torchrun's --nproc-per-node grammar: an integer, or auto, cpu, gpu, xpu."""
+    try:
+        n = int(value)
+    except ValueError:
+        n = _count_devices(value)
+    if n < 1:
+        raise ConfigError(f"--nproc-per-node={value!r} must be at least 1")
+    return n
+
+
+def _count_devices(kind: str) -> int:
+    if kind == "cpu":
+        return os.cpu_count() or 1
+    if kind not in ("auto", "gpu", "xpu"):
+        raise ConfigError(
+            f"--nproc-per-node={kind!r} is not an integer or one of auto, cpu, gpu, xpu"
+        )
+    import torch  # only these values need it
+
+    if kind == "gpu":
+        if not torch.cuda.is_available():
+            raise ConfigError("--nproc-per-node=gpu: CUDA is not available on this machine")
+        return torch.cuda.device_count()
+    if kind == "xpu":
+        if not (hasattr(torch, "xpu") and torch.xpu.is_available()):
+            raise ConfigError("--nproc-per-node=xpu: no XPU is available on this machine")
+        return torch.xpu.device_count()
+    if torch.accelerator.is_available():
+        return torch.accelerator.device_count()
+    return os.cpu_count() or 1
+
+
+_STD_VALUE = re.compile(r"^[0-3]$")
+_STD_MAPPING = re.compile(r"^(\d+:[0-3],)*(\d+:[0-3])$")
+
+
+def parse_std_map(value: str, option: str, nproc: int) -> dict[int, Std]:
+    """``-r``/``-t`` values: ``"3"`` for every rank, or ``"0:1,10:2"`` per local rank.
+
+    Unlike torchrun 2.13, local ranks may have several digits; a rank that this
+    node does not run is an error rather than silently ignored.
+    """
+    value = value.strip()
+    if _STD_VALUE.match(value):
+        return {r: Std(int(value)) for r in range(nproc)}
+    if not _STD_MAPPING.match(value):
+        raise ConfigError(
+            f"{option}={value!r} is not 0-3 or a map like 0:1,1:2 (local_rank:0-3)"
+        )
+    out = {r: Std.NONE for r in range(nproc)}
+    for item in value.split(","):
+        rank_s, std_s = item.split(":")
+        rank = int(rank_s)
+        if rank >= nproc:
+            raise ConfigError(
+                f"{option}={value!r} names local rank {rank}, but this node runs "
+                f"ranks 0..{nproc - 1} (--nproc-per-node={nproc})"
+            )
+        out[rank] = Std(int(std_s))
+    return out
+
+
+def parse_rdzv_conf(value: str) -> dict[str, str]:
+    """``"k1=v1,k2=v2"`` -> dict; torchrun's grammar (values may contain ':' but not ',')."""
+    out: dict[str, str] = {}
+    if not value.strip():
+        return out
+    for item in value.split(","):
+        key, sep, val = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(
+                f"--rdzv-conf={value!r}: {item!r} is not key=value "
+                "(expected k1=v1,k2=v2,...)"
+            )
+        out[key] = val.strip()
+    return out
+
+
+def parse_comma_list(value: str | list[str]) -> list[str]:
+    """torchrun's duplicate-filter lists: comma separated, ``,,`` escapes a comma."""
+    if isinstance(value, list):
+        return value
+    if not value:
+        return []
+    hold = "\0"
+    return [item.replace(hold, ",") for item in value.replace(",,", hold).split(",")]
+
+
+def parse_local_ranks_filter(value: str) -> set[int] | None:
+    if not value:
+        return None
+    try:
+        ranks = {int(v) for v in value.split(",")}
+    except ValueError:
+        raise ConfigError(
+            f"--local-ranks-filter={value!r} must be a comma-separated list of "
+            "integers, e.g. 0,1,2"
+        ) from None
+    return ranks
+
+
+def parse_signals(value: str) -> list[signal.Signals]:
+    sigs = []
+    for name in value.split(","):
+        name = name.strip()
+        if not name:
+            continue
+        sig = getattr(signal, name, None)
+        if not isinstance(sig, signal.Signals) or sig in (signal.SIGKILL, signal.SIGSTOP):
+            raise ConfigError(f"--signals-to-handle: {name!r} is not a signal tp-run can handle")
+        sigs.append(sig)
+    return sigs
+
+
+def parse_duration(value: str, key: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigError(f"--rdzv-conf {key}={value!r} is not a number of seconds") from None
+
+
+def split_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
+    """``"host:port"``, ``"host"``, ``"[::1]:port"`` -> (host, port)."""
+    endpoint = endpoint.strip()
+    host, port = endpoint, default_port
+    if endpoint.startswith("["):
+        close = endpoint.find("]")
+        host = endpoint[1:close]
+        rest = endpoint[close + 1 :]
+        if rest.startswith(":"):
+            port = _port(rest[1:], endpoint)
+    elif endpoint.count(":") == 1:
+        host, port_s = endpoint.split(":")
+        port = _port(port_s, endpoint)
+    if not host:
+        raise ConfigError(f"rendezvous endpoint {endpoint!r} has no host")
+    return host, port
+
+
+def _port(value: str, endpoint: str) -> int:
+    try:
+        port = int(value)
+    except ValueError:
+        raise ConfigError(f"rendezvous endpoint {endpoint!r}: port {value!r} is not an integer") from None
+    if not 0 <= port < 65536:
+        raise ConfigError(f"rendezvous endpoint {endpoint!r}: port {port} is out of range")
+    return port

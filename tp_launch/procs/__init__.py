@@ -1,0 +1,1 @@
+"""Worker processes: spawning, logs, signals and reaping."""

@@ -1,0 +1,124 @@
+"""One worker process: spawned so that it can never outlive its agent.
+
+Each worker starts in a session of its own (so a signal reaches the worker's whole
+process group, its helpers included, as in torchrun) with ``PR_SET_PDEATHSIG=SIGKILL``:
+if the agent dies, even by SIGKILL, the kernel kills the worker. torchrun 2.13 leaves
+its workers running in that case.
+
+PDEATHSIG fires when the *thread* that forked the child exits, so workers must be
+spawned from a thread that lives as long as the agent: the agent spawns from its main
+thread only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import time
+from typing import IO
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(None, use_errno=True)
+_prctl = _libc.prctl
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Runs in the child between fork and exec."""
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the agent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class WorkerProcess:
+    """A spawned worker and the files its streams go to.
+
+    Args:
+        argv: the command line.
+        env: the complete environment.
+        stdout, stderr: file paths for the streams; None inherits the agent's console.
+        local_rank: the worker's local rank (for messages).
+    """
+
+    def __init__(self, argv: list[str], env: dict[str, str], stdout: str | None,
+                 stderr: str | None, local_rank: int) -> None:
+        self.local_rank = local_rank
+        self.error_file = env.get("TORCHELASTIC_ERROR_FILE", "")
+        self._files: list[IO] = []
+        out = self._open(stdout)
+        err = self._open(stderr)
+        agent_pid = os.getpid()
+        self.popen = subprocess.Popen(
+            argv,
+            env=env,
+            stdout=out,
+            stderr=err,
+            start_new_session=True,
+            preexec_fn=lambda: _die_with_parent(agent_pid),
+        )
+        self.pid = self.popen.pid
+        self.started = time.time()
+        self.exit_time: float | None = None
+        self.pidfd = os.pidfd_open(self.pid)
+
+    def _open(self, path: str | None) -> IO | None:
+        if path is None:
+            return None
+        f = open(path, "w")  # noqa: SIM115 - closed in close()
+        self._files.append(f)
+        return f
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status once reaped: negative for a signal, as in subprocess."""
+        code = self.popen.poll()
+        if code is not None and self.exit_time is None:
+            self.exit_time = time.time()
+        return code
+
+    def signal_group(self, sig: int) -> None:
+        """Send ``sig`` to the worker's process group (the worker and its helpers)."""
+        try:
+            os.killpg(self.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def close(self) -> None:
+        """Release the pidfd and log files; the process must be reaped already."""
+        for f in self._files:
+            f.close()
+        self._files.clear()
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+
+
+def stop_workers(workers: list[WorkerProcess], sig: int, timeout: float) -> None:
+    """Send ``sig`` to every live worker's group, wait up to ``timeout``, then SIGKILL.
+
+    On return every worker is reaped and no process of their groups is left.
+    """
+    live = [w for w in workers if w.returncode is None]
+    for w in live:
+        if sig != signal.SIGKILL:
+            logger.warning("Sending process %s closing signal %s", w.pid, signal.Signals(sig).name)
+        w.signal_group(sig)
+    deadline = time.monotonic() + timeout
+    for w in live:
+        remaining = max(0.0, deadline - time.monotonic())
+        try:
+            w.popen.wait(remaining)
+        except subprocess.TimeoutExpired:
+            pass
+    for w in workers:
+        if w.returncode is None:
+            logger.warning("Process %s did not stop within %ss; sending SIGKILL", w.pid, timeout)
+        # Also clears helpers a worker left in its group after it exited itself.
+        w.signal_group(signal.SIGKILL)
+    for w in workers:
+        w.popen.wait()
+        w.returncode  # noqa: B018 - records exit_time
