@@ -28,6 +28,7 @@ from rendezvous import RendezvousError, RendezvousHandler, RendezvousInfo, creat
 from tp_launch.agent.failures import ProcessFailure, copy_root_cause, format_summary
 from tp_launch.agent.worker_env import worker_argv, worker_env
 from tp_launch.config import ConfigError, LaunchConfig
+from tp_launch.procs.guardian import GUARDIAN
 from tp_launch.procs.logs import AttemptLogs, ConsoleTail, LogLayout
 from tp_launch.procs.worker import WorkerProcess, stop_workers
 
@@ -222,9 +223,12 @@ def run_agent(config: LaunchConfig) -> int:
     if "OMP_NUM_THREADS" not in os.environ and config.nproc_per_node > 1:
         logger.warning(OMP_WARNING)
         os.environ["OMP_NUM_THREADS"] = "1"
+    GUARDIAN.start()  # forks: before any thread exists
     try:
         rdzv = create_handler(config)
         return NodeAgent(config, rdzv).run()
     except (RendezvousError, ConfigError, NotADirectoryError) as e:
         print(f"tp-run: error: {e}", file=sys.stderr)
         return 2 if isinstance(e, ConfigError) else 1
+    finally:
+        GUARDIAN.stop()

@@ -7,7 +7,8 @@ its workers running in that case.
 
 PDEATHSIG fires when the *thread* that forked the child exits, so workers must be
 spawned from a thread that lives as long as the agent: the agent spawns from its main
-thread only.
+thread only. The processes a worker starts itself are covered by the agent's guardian
+(:mod:`tp_launch.procs.guardian`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import signal
 import subprocess
 import time
 from typing import IO
+
+from tp_launch.procs.guardian import GUARDIAN
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +64,7 @@ class WorkerProcess:
             preexec_fn=lambda: _die_with_parent(agent_pid),
         )
         self.pid = self.popen.pid
+        GUARDIAN.watch(self.pid)  # the worker leads its own process group
         self.started = time.time()
         self.exit_time: float | None = None
         self.pidfd = os.pidfd_open(self.pid)
@@ -89,6 +93,7 @@ class WorkerProcess:
 
     def close(self) -> None:
         """Release the pidfd and log files; the process must be reaped already."""
+        GUARDIAN.forget(self.pid)
         for f in self._files:
             f.close()
         self._files.clear()
