@@ -132,8 +132,6 @@ class NodeAgent:
                 copy_root_cause(result.root)
                 return 1
         except SignalReceived as e:
-            logger.warning("Received %s death signal, shutting down workers", e.sig.name)
-            stop_workers(self.workers, e.sig, cfg.shutdown_timeout)
             print(f"tp-run: stopped by {e.sig.name}; workers shut down", file=sys.stderr)
             return 1
         finally:
@@ -151,6 +149,10 @@ class NodeAgent:
         try:
             self._spawn(info, restart_count, logs)
             return self._monitor(watch, global_ranks)
+        except SignalReceived as e:
+            logger.warning("Received %s death signal, shutting down workers", e.sig.name)
+            stop_workers(self.workers, e.sig, cfg.shutdown_timeout)
+            raise
         finally:
             stop_workers(self.workers, signal.SIGTERM, cfg.shutdown_timeout)
             tail.stop()
