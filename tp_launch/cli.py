@@ -178,6 +178,7 @@ def config_from_options(opts: dict[str, Any]) -> LaunchConfig:
         entrypoint=entrypoint,
         name=name,
         log_dir=opts["log_dir"],
+        logs_specs=opts["logs_specs"],
         redirects=parse_std_map(opts["redirects"], "--redirects", nproc),
         tee=parse_std_map(opts["tee"], "--tee", nproc),
         local_ranks_filter=parse_local_ranks_filter(opts["local_ranks_filter"]),

@@ -63,6 +63,7 @@ class LaunchConfig:
     entrypoint: list[str] = field(default_factory=list)
     name: str = ""
     log_dir: str | None = None
+    logs_specs: str | None = None
     redirects: dict[int, Std] = field(default_factory=dict)
     tee: dict[int, Std] = field(default_factory=dict)
     local_ranks_filter: set[int] | None = None

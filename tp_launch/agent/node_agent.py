@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 from rendezvous import RendezvousError, RendezvousHandler, RendezvousInfo, create_handler
+from tp_launch.agent.events import EventLog
 from tp_launch.agent.failures import ProcessFailure, copy_root_cause, format_summary
 from tp_launch.agent.worker_env import worker_argv, worker_env
 from tp_launch.config import ConfigError, LaunchConfig
@@ -105,6 +106,7 @@ class NodeAgent:
         self.config = config
         self.rdzv = rdzv
         self.workers: list[WorkerProcess] = []
+        self.events = EventLog(config.event_log_handler)
         self.layout = LogLayout(config, rdzv.run_id)
 
     def run(self) -> int:
@@ -117,6 +119,11 @@ class NodeAgent:
                 watch.raise_pending()
                 info = self.rdzv.next_rendezvous(cfg.nproc_per_node)
                 result = self._run_attempt(info, restart_count, watch)
+                self.events.record(
+                    f"torchelastic.worker.status.{'FAILED' if result.failures else 'SUCCEEDED'}",
+                    run_id=self.rdzv.run_id, role=cfg.role, group_rank=info.node_rank,
+                    restart_count=restart_count,
+                    failed_ranks=sorted(f.rank for f in result.failures))
                 if not result.failures:
                     logger.info("[%s] worker group successfully finished", cfg.role)
                     self.layout.remove_if_temporary()

@@ -60,10 +60,12 @@ class LogLayout:
 
     def __init__(self, config: LaunchConfig, run_id: str) -> None:
         self._config = config
-        self.is_temporary = config.log_dir is None
+        self._run_id = run_id
+        self._plugin = _load_logs_specs(config) if config.logs_specs else None
+        self.is_temporary = config.log_dir is None and self._plugin is None
         self.disabled = config.log_dir == os.devnull
         self.run_dir = os.devnull
-        if not self.disabled:
+        if not self.disabled and self._plugin is None:
             base = config.log_dir or tempfile.mkdtemp(prefix="torchelastic_")
             if os.path.isfile(base):
                 raise NotADirectoryError(f"--log-dir {base} is a file")
@@ -74,6 +76,8 @@ class LogLayout:
     def attempt(self, restart_count: int) -> AttemptLogs:
         """Lay out (and empty) ``attempt_<restart_count>``."""
         cfg = self._config
+        if self._plugin is not None:
+            return self._plugin_attempt(restart_count)
         if self.disabled:
             return AttemptLogs(os.devnull, {
                 r: RankLogs(os.devnull, os.devnull, None, None, "")
@@ -97,6 +101,20 @@ class LogLayout:
                 out = out or os.devnull
                 err = err or os.devnull
             logs.ranks[r] = RankLogs(out, err, tee_out, tee_err, os.path.join(rank_dir, "error.json"))
+        return logs
+
+    def _plugin_attempt(self, restart_count: int) -> AttemptLogs:
+        """Ask a ``--logs-specs`` plugin (a torchrun LogsSpecs) where the streams go."""
+        envs = {r: {"TORCHELASTIC_RUN_ID": self._run_id,
+                    "TORCHELASTIC_RESTART_COUNT": str(restart_count)}
+                for r in range(self._config.nproc_per_node)}
+        dest = self._plugin.reify(envs)
+        logs = AttemptLogs(os.path.dirname(dest.filtered_stdout) or os.devnull)
+        for r in envs:
+            logs.ranks[r] = RankLogs(
+                dest.stdouts.get(r) or None, dest.stderrs.get(r) or None,
+                dest.tee_stdouts.get(r) or None, dest.tee_stderrs.get(r) or None,
+                dest.error_files.get(r, ""))
         return logs
 
     def remove_if_temporary(self) -> None:
@@ -150,6 +168,27 @@ class ConsoleTail:
             t.join(5)
         for f in self._files:
             f.close()
+
+
+def _load_logs_specs(config: LaunchConfig) -> object:
+    """Instantiate the ``torchrun.logs_specs`` entry point named by ``--logs-specs``."""
+    from importlib import metadata
+
+    from tp_launch.config import ConfigError
+
+    eps = metadata.entry_points().select(group="torchrun.logs_specs", name=config.logs_specs)
+    if not eps:
+        raise ConfigError(
+            f"--logs-specs={config.logs_specs!r}: no entry point of that name in the "
+            "'torchrun.logs_specs' group")
+    cls = next(iter(eps)).load()
+    from torch.distributed.elastic.multiprocessing.api import Std as TorchStd
+
+    def torch_std(m: dict[int, Std]) -> dict[int, TorchStd]:
+        return {r: TorchStd(int(v)) for r, v in m.items()}
+
+    return cls(log_dir=config.log_dir, redirects=torch_std(config.redirects),
+               tee=torch_std(config.tee), local_ranks_filter=config.local_ranks_filter)
 
 
 def _prefix(config: LaunchConfig, local_rank: int, rank: int) -> str:
