@@ -222,9 +222,39 @@ def _on_path(program: str) -> bool:
     return shutil.which(program) is not None
 
 
+def expand_abbreviations(command: click.Command, argv: list[str]) -> list[str]:
+    """Expand unique prefixes of long options (``--nproc-per 2``), as torchrun's argparse does.
+
+    Only the launcher's own options are touched: scanning stops at the training script
+    (the first positional) or at ``--``.
+    """
+    takes_value: dict[str, bool] = {}
+    for param in command.params:
+        if isinstance(param, click.Option):
+            for name in param.opts:
+                takes_value[name] = not param.is_flag
+    out = list(argv)
+    i = 0
+    while i < len(out):
+        token = out[i]
+        if token == "--" or not token.startswith("-") or token == "-":
+            break
+        name, eq, value = token.partition("=")
+        if name.startswith("--") and name not in takes_value:
+            matches = [n for n in takes_value if n.startswith(name)]
+            if matches and len({n.replace("_", "-") for n in matches}) == 1:
+                name = matches[0]
+                out[i] = name + eq + value
+        if takes_value.get(name) and not eq and not (len(name) == 2 and len(token) > 2):
+            i += 1  # skip the option's value
+        i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: click parsing with one-line usage errors."""
     _setup_logging()
+    argv = expand_abbreviations(tp_run, sys.argv[1:] if argv is None else argv)
     try:
         code = tp_run.main(args=argv, prog_name="tp-run", standalone_mode=False)
     except click.UsageError as e:

@@ -111,9 +111,16 @@ def parse_nproc_per_node(value: str) -> int:
     return n
 
 
+def _cpu_count() -> int:
+    """CPUs this process may use (affinity and cgroups respected), as torchrun counts."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def _count_devices(kind: str) -> int:
     if kind == "cpu":
-        return os.cpu_count() or 1
+        return _cpu_count()
     if kind not in ("auto", "gpu", "xpu"):
         raise ConfigError(
             f"--nproc-per-node={kind!r} is not an integer or one of auto, cpu, gpu, xpu"
@@ -130,7 +137,7 @@ def _count_devices(kind: str) -> int:
         return torch.xpu.device_count()
     if torch.accelerator.is_available():
         return torch.accelerator.device_count()
-    return os.cpu_count() or 1
+    return _cpu_count()
 
 
 _STD_VALUE = re.compile(r"^[0-3]$")
