@@ -21,6 +21,26 @@ logger = logging.getLogger(__name__)
 _STORE_TIMEOUT = datetime.timedelta(hours=2)
 
 
+def _bound_socket(addr: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``addr``; "" (every interface) is dual-stack where possible,
+    so workers reach the store whether MASTER_ADDR is an IPv4 or an IPv6 address."""
+    if ":" in addr or (not addr and socket.has_dualstack_ipv6()):
+        sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+        if not addr:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            addr = "::"
+    else:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.set_inheritable(False)
+    try:
+        sock.bind((addr, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot host the store on {addr}:{port}: {e.strerror}") from None
+    return sock
+
+
 class StoreHost:
     """A TCPStore server on ``(addr, port)``; port 0 picks a free port.
 
@@ -30,15 +50,7 @@ class StoreHost:
     """
 
     def __init__(self, addr: str, port: int) -> None:
-        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-        self._sock = socket.socket(family, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.set_inheritable(False)
-        try:
-            self._sock.bind((addr, port))
-        except OSError as e:
-            self._sock.close()
-            raise OSError(f"cannot host the store on {addr or '*'}:{port}: {e.strerror}") from None
+        self._sock = _bound_socket(addr, port)
         self._sock.listen(1024)
         self.port: int = self._sock.getsockname()[1]
         self._store: Any = None

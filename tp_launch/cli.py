@@ -142,7 +142,9 @@ def config_from_options(opts: dict[str, Any]) -> LaunchConfig:
     if master_port is None:
         master_port = 29500
     if backend == "static" and not endpoint:
-        endpoint = f"{opts['master_addr']}:{master_port}"
+        addr = opts["master_addr"]
+        bare_ipv6 = ":" in addr and not addr.startswith("[")
+        endpoint = f"[{addr}]:{master_port}" if bare_ipv6 else f"{addr}:{master_port}"
 
     script, script_args = opts["training_script"], list(opts["training_script_args"])
     if script == "--" and script_args:
