@@ -45,10 +45,24 @@ def wait_no_marked(marker: str, timeout: float = 10.0) -> list[psutil.Process]:
     """Wait for every marked process to exit; return the ones still alive."""
     deadline = time.monotonic() + timeout
     while True:
-        alive = [p for p in marked_processes(marker) if p.status() != psutil.STATUS_ZOMBIE]
+        alive = [p for p in marked_processes(marker) if _alive(p)]
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.1)
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:  # exited since it was listed (ZombieProcess included)
+        return False
+
+
+def _describe(p: psutil.Process) -> tuple[int, list[str] | str]:
+    try:
+        return p.pid, p.cmdline()
+    except psutil.Error as e:
+        return p.pid, type(e).__name__
 
 
 @pytest.fixture
@@ -63,12 +77,13 @@ def test_env(tmp_path: Path) -> Iterator[dict[str, str]]:
         env.pop(key)
     yield env
     leaked = wait_no_marked(marker)
+    described = [_describe(p) for p in leaked]  # before the kill makes them zombies
     for p in leaked:
         try:
             p.kill()
         except psutil.NoSuchProcess:
             pass
-    assert not leaked, f"processes leaked: {[(p.pid, p.cmdline()) for p in leaked]}"
+    assert not leaked, f"processes leaked: {described}"
 
 
 def run_launcher(launcher: list[str], args: list[str], env: dict[str, str], cwd: Path,

@@ -130,12 +130,15 @@ def _message_of(data: dict[str, Any], default_ts: int) -> tuple[Any, int]:
 
 
 def format_summary(name: str, root: ProcessFailure, failures: list[ProcessFailure]) -> str:
-    """torchrun's failure block: every failure, the root cause last."""
+    """torchrun's failure block: every failure, the root cause last.
+
+    Failures are numbered in the order given (the agent passes torchrun's order).
+    """
     title = f"{name} FAILED"
     root_fmt = ""
     others: list[str] = []
     width = len(title)
-    for idx, failure in enumerate(sorted(failures, key=lambda f: f.rank)):
+    for idx, failure in enumerate(failures):
         fmt = failure.format(idx)
         width = max(width, *(len(line) for line in fmt.split("\n")))
         if failure is root:

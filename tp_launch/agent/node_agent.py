@@ -166,10 +166,17 @@ class NodeAgent:
             self._release_workers()
 
     def _spawn(self, info: RendezvousInfo, restart_count: int, logs: AttemptLogs) -> None:
-        for local_rank in range(self.config.nproc_per_node):
+        # Every command line and environment first: one that cannot be built (a
+        # ConfigError) must stop the launch before any worker has started.
+        plans = [
+            (local_rank,
+             worker_argv(self.config, local_rank),
+             worker_env(self.config, info, local_rank, restart_count,
+                        logs.ranks[local_rank].error_file))
+            for local_rank in range(self.config.nproc_per_node)
+        ]
+        for local_rank, argv, env in plans:
             rl = logs.ranks[local_rank]
-            env = worker_env(self.config, info, local_rank, restart_count, rl.error_file)
-            argv = worker_argv(self.config, local_rank)
             try:
                 self.workers.append(WorkerProcess(argv, env, rl.stdout, rl.stderr, local_rank))
             except OSError as e:
@@ -211,13 +218,17 @@ class NodeAgent:
             logger.error("failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s",
                          w.returncode, w.local_rank, w.pid, cfg.entrypoint[0])
         stop_workers(self.workers, signal.SIGTERM, cfg.shutdown_timeout)
+        # torchrun's order (its summary numbers failures so): the failures that ended
+        # the attempt, then the peers it stopped, each by local rank.
+        first_pids = {w.pid for w in first}
+        ordered = sorted(self.workers, key=lambda w: (w.pid not in first_pids, w.local_rank))
         failures = [
             ProcessFailure(rank=global_ranks[w.local_rank], local_rank=w.local_rank, pid=w.pid,
                            exitcode=w.returncode, error_file=w.error_file,
                            observed=w.exit_time or time.time())
-            for w in self.workers if w.returncode
+            for w in ordered if w.returncode
         ]
-        root = min((f for f in failures if f.pid in {w.pid for w in first}),
+        root = min((f for f in failures if f.pid in first_pids),
                    key=lambda f: f.observed)
         return AttemptResult(failures, root)
 

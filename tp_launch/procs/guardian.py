@@ -44,8 +44,19 @@ class Guardian:
         os.set_inheritable(w, False)
         self._w, self._pid = w, pid
 
-    def watch(self, pgid: int) -> None:
-        self._send(f"+{pgid}\n")
+    def watch_self(self) -> None:
+        """Register the calling process's group; for a new worker between fork and exec.
+
+        The parent cannot do it after ``Popen`` returns: on a loaded machine the worker
+        can start helpers before the parent runs again, and a SIGKILL to the agent in
+        that window would orphan them. One short ``write`` is atomic on a pipe and takes
+        no lock (a lock is not safe to take in a forked child).
+        """
+        if self._w >= 0:
+            try:
+                os.write(self._w, f"+{os.getpgid(0)}\n".encode())
+            except OSError:
+                pass
 
     def forget(self, pgid: int) -> None:
         self._send(f"-{pgid}\n")

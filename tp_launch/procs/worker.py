@@ -33,6 +33,7 @@ _prctl = _libc.prctl
 def _die_with_parent(parent_pid: int) -> None:
     """Runs in the child between fork and exec."""
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    GUARDIAN.watch_self()  # the child is its own group leader by now (start_new_session)
     if os.getppid() != parent_pid:  # the agent died before prctl took effect
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -64,7 +65,6 @@ class WorkerProcess:
             preexec_fn=lambda: _die_with_parent(agent_pid),
         )
         self.pid = self.popen.pid
-        GUARDIAN.watch(self.pid)  # the worker leads its own process group
         self.started = time.time()
         self.exit_time: float | None = None
         self.pidfd = os.pidfd_open(self.pid)

@@ -1,0 +1,291 @@
+"""Failure paths of tp-run: failing workers, restarts, shutdown, signals, bad input.
+
+Real processes and real signals throughout; timeouts are generous and guard against
+hangs only. Workers are ``scripts/worker.py`` (a chosen rank fails in a chosen way, the
+others wait) and ``scripts/gloo_restart.py`` (a real gloo job). Every test also passes
+the ``test_env`` leak check: no process it started may outlive it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import (
+    HANG_TIMEOUT,
+    TP_RUN,
+    run_launcher,
+    start_launcher,
+    wait_for_file,
+    wait_no_marked,
+)
+
+SUMMARY_TITLE = "scripts/worker.py FAILED"
+ROOT = "Root Cause (first observed failure):"
+
+
+def tp_run(workdir: Path, env: dict[str, str], args: list[str],
+           timeout: float = HANG_TIMEOUT, **extra_env: str) -> subprocess.CompletedProcess:
+    dump = workdir / "dump"
+    dump.mkdir(exist_ok=True)
+    run_env = {**env, "DUMP_DIR": str(dump), "OMP_NUM_THREADS": "1", **extra_env}
+    return run_launcher(TP_RUN, args, run_env, workdir, timeout=timeout)
+
+
+def split_summary(stderr: str) -> tuple[str, str]:
+    """(other failures, root cause) of the failure summary; asserts there is one."""
+    assert SUMMARY_TITLE in stderr, stderr
+    summary = stderr[stderr.index(SUMMARY_TITLE):]
+    others, root = summary.split(ROOT)
+    return others, root
+
+
+def root_rank(root: str) -> int:
+    m = re.search(r"rank\s+: (\d+) \(local_rank: \d+\)", root)
+    assert m, root
+    return int(m.group(1))
+
+
+def dumped(workdir: Path) -> list[str]:
+    return sorted(p.name for p in (workdir / "dump").iterdir())
+
+
+# ---------------------------------------------------------------- a worker fails
+
+
+def test_raise_under_record_error_shown_and_copied(workdir, test_env, tmp_path):
+    """A worker raising under @record: its traceback is the summary's root cause (rank 2
+    of 3), its peers are stopped with SIGTERM, exit 1, and tp-run's own
+    TORCHELASTIC_ERROR_FILE receives the root cause with errorCode."""
+    agent_error = tmp_path / "agent_error.json"
+    r = tp_run(workdir, test_env, ["--nproc-per-node", "3", "scripts/worker.py",
+                                   "--fail-rank", "2", "--fail-mode", "raise"],
+               TORCHELASTIC_ERROR_FILE=str(agent_error))
+    assert r.returncode == 1, r.stderr
+    others, root = split_summary(r.stderr)
+    assert root_rank(root) == 2
+    assert "RuntimeError: deliberate failure on rank 2" in root
+    assert re.search(r"error_file: \S+/attempt_0/2/error\.json", root)
+    for rank in (0, 1):
+        assert f"rank      : {rank} (local_rank: {rank})" in others
+        assert (workdir / "dump" / f"sig_0_{rank}").read_text() == "SIGTERM"
+    assert others.count("Signal 15 (SIGTERM) received by PID") == 2
+    data = json.loads(agent_error.read_text())
+    assert data["message"]["errorCode"] == 1
+    assert "deliberate failure on rank 2" in data["message"]["message"]
+    assert "py_callstack" in data["message"]["extraInfo"]
+
+
+@pytest.mark.parametrize("mode,exitcode,message", [
+    ("exit3", "3", "To enable traceback see"),
+    ("sigkill", "-9", "Signal 9 (SIGKILL) received by PID"),
+])
+def test_worker_exit_code_or_signal(workdir, test_env, tmp_path, mode, exitcode, message):
+    """Rank 0 exits 3 / is SIGKILLed: it is the root cause, with its exit code; tp-run's
+    error file gets a synthesized entry with that code (no child error file)."""
+    agent_error = tmp_path / "agent_error.json"
+    r = tp_run(workdir, test_env, ["--nproc-per-node", "2", "scripts/worker.py",
+                                   "--fail-rank", "0", "--fail-mode", mode],
+               TORCHELASTIC_ERROR_FILE=str(agent_error))
+    assert r.returncode == 1, r.stderr
+    others, root = split_summary(r.stderr)
+    assert root_rank(root) == 0
+    assert f"exitcode  : {exitcode} " in root
+    assert message in root
+    assert "error_file: <N/A>" in root
+    assert "rank      : 1 (local_rank: 1)" in others
+    assert json.loads(agent_error.read_text())["message"]["errorCode"] == int(exitcode)
+
+
+# ---------------------------------------------------------------- restarts
+
+
+def test_restarts_used_then_success(workdir, test_env):
+    """Rank 1 fails in attempts 0 and 1, the job succeeds in attempt 2 of 4 allowed:
+    exit 0, TORCHELASTIC_RESTART_COUNT 0, 1, 2, one fresh attempt dir per attempt."""
+    logs = workdir / "logs"
+    r = tp_run(workdir, test_env, ["--nproc-per-node", "2", "--max-restarts", "3",
+                                   "--log-dir", str(logs), "scripts/worker.py",
+                                   "--fail-rank", "1", "--fail-until", "2"])
+    assert r.returncode == 0, r.stderr
+    assert SUMMARY_TITLE not in r.stderr
+    assert dumped(workdir) == ["sig_0_0", "sig_1_0", "start_0_0", "start_0_1", "start_1_0",
+                               "start_1_1", "start_2_0", "start_2_1"]
+    (run_dir,) = logs.iterdir()
+    assert sorted(p.name for p in run_dir.iterdir()) == ["attempt_0", "attempt_1", "attempt_2"]
+    assert r.stderr.count("Worker group FAILED") == 2
+
+
+def test_restarts_exhausted(workdir, test_env):
+    """Rank 1 always fails, --max-restarts 2: three attempts, then the summary (root
+    cause rank 1, from the last attempt) and exit 1."""
+    logs = workdir / "logs"
+    r = tp_run(workdir, test_env, ["--nproc-per-node", "2", "--max-restarts", "2",
+                                   "--log-dir", str(logs), "-r", "3", "scripts/worker.py",
+                                   "--fail-rank", "1"])
+    assert r.returncode == 1, r.stderr
+    _, root = split_summary(r.stderr)
+    assert root_rank(root) == 1 and "exitcode  : 3 " in root
+    starts = [n for n in dumped(workdir) if n.startswith("start_")]
+    assert starts == [f"start_{a}_{rank}" for a in range(3) for rank in (0, 1)]
+    (run_dir,) = logs.iterdir()
+    assert sorted(p.name for p in run_dir.iterdir()) == ["attempt_0", "attempt_1", "attempt_2"]
+    for attempt in range(3):
+        assert (run_dir / f"attempt_{attempt}/1/stderr.log").read_text() == "rank 1 exits 3\n"
+        assert (run_dir / f"attempt_{attempt}/0/stdout.log").read_text() == \
+            f"rank 0 started (restart {attempt})\n"
+
+
+@pytest.mark.slow
+def test_twenty_gloo_restarts_all_succeed(workdir, test_env):
+    """20 consecutive restarts of a real 2-rank gloo job (init_process_group +
+    all_reduce): every attempt's group forms. torchrun 2.13 fails about 4 in 6 of
+    these with connectFullMesh, reusing a dead attempt's store; tp-run hosts a fresh
+    store per attempt."""
+    r = tp_run(workdir, test_env, ["--nproc-per-node", "2", "--max-restarts", "20",
+                                   "scripts/gloo_restart.py", "--fail-until", "20"],
+               timeout=900)
+    assert r.returncode == 0, r.stderr[-5000:]
+    assert "connectFullMesh" not in r.stderr
+    oks = set(dumped(workdir))
+    missing = [f"ok_{a}_{rank}" for a in range(21) for rank in (0, 1)
+               if f"ok_{a}_{rank}" not in oks]
+    assert not missing, missing
+
+
+# ---------------------------------------------------------------- stopping workers
+
+
+@pytest.mark.parametrize("how", ["option", "env"])
+def test_shutdown_timeout_on_failure_path(workdir, test_env, how):
+    """A peer that ignores SIGTERM is SIGKILLed after --shutdown-timeout (or
+    TORCH_ELASTIC_SHUTDOWN_TIMEOUT) when another worker fails, not after torchrun's
+    hard 30 s. The one time bound (< 20 s from the failure to the SIGKILL, read from
+    tp-run's log) only separates 1 s from 30 s, with room for a loaded machine."""
+    args = ["--nproc-per-node", "2", "scripts/worker.py", "--fail-rank", "1",
+            "--peer", "ignore-term"]
+    extra = {}
+    if how == "option":
+        args = ["--shutdown-timeout", "1", *args]
+    else:
+        extra["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = "1"
+    r = tp_run(workdir, test_env, args, **extra)
+    assert r.returncode == 1, r.stderr
+    others, root = split_summary(r.stderr)
+    assert root_rank(root) == 1
+    assert "exitcode  : -9 " in others and "(SIGKILL)" in others
+    assert "sig_0_0" not in dumped(workdir)  # it ignored SIGTERM
+    # From the agent's own log lines: failure seen -> SIGKILL sent.
+    failed = log_time(r.stderr, r"failed \(exitcode: 3\) local_rank: 1")
+    killed = log_time(r.stderr, r"did not stop within 1(\.0)?s; sending SIGKILL")
+    assert 0.5 < killed - failed < 20
+
+
+def log_time(stderr: str, pattern: str) -> float:
+    """Seconds since midnight of the agent's first log line matching ``pattern``."""
+    for line in stderr.splitlines():
+        m = re.match(r"^[IWE]\d{4} (\d\d):(\d\d):(\d\d\.\d+) .*\] ", line)
+        if m and re.search(pattern, line):
+            return int(m[1]) * 3600 + int(m[2]) * 60 + float(m[3])
+    raise AssertionError(f"no log line matches {pattern!r}:\n{stderr}")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_tp_run_is_forwarded(workdir, test_env, sig):
+    """SIGTERM/SIGINT to tp-run: forwarded to every worker, tp-run exits 1, no leak."""
+    dump = workdir / "dump"
+    dump.mkdir()
+    env = {**test_env, "DUMP_DIR": str(dump), "OMP_NUM_THREADS": "1"}
+    proc = start_launcher(TP_RUN, ["--nproc-per-node", "2", "scripts/worker.py",
+                                   "--fail-rank", "99"], env, workdir)
+    try:
+        for rank in (0, 1):
+            wait_for_file(dump / f"start_0_{rank}")
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=HANG_TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1, err
+    for rank in (0, 1):
+        assert (dump / f"sig_0_{rank}").read_text() == sig.name
+    assert "Traceback" not in err
+    assert wait_no_marked(test_env["TP_TEST_MARKER"]) == []
+
+
+def test_sigkill_to_tp_run_leaves_no_worker(workdir, test_env):
+    """SIGKILL to tp-run: its workers die with it (PR_SET_PDEATHSIG), even those that
+    ignore SIGTERM, and so do the helper processes the workers started (the guardian)."""
+    dump = workdir / "dump"
+    dump.mkdir()
+    env = {**test_env, "DUMP_DIR": str(dump), "OMP_NUM_THREADS": "1"}
+    proc = start_launcher(TP_RUN, ["--nproc-per-node", "3", "scripts/worker.py",
+                                   "--fail-rank", "99", "--peer", "ignore-term", "--helper"],
+                          env, workdir)
+    try:
+        for rank in range(3):
+            wait_for_file(dump / f"start_0_{rank}")
+        pids = [int((dump / f"{kind}_0_{rank}").read_text())
+                for kind in ("start", "helper") for rank in range(3)]
+        assert all(psutil.pid_exists(pid) for pid in pids)
+        proc.kill()
+        proc.communicate(timeout=HANG_TIMEOUT)
+        assert wait_no_marked(test_env["TP_TEST_MARKER"]) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+# ---------------------------------------------------------------- bad input
+
+BAD_INPUT = [
+    ("missing-script", ["scripts/no_such_script.py"], "no_such_script.py"),
+    ("missing-run-path-script", ["--run-path", "nope.py"], "nope.py"),
+    ("missing-no-python-program", ["--no-python", "no-such-program-xyz"], "no-such-program-xyz"),
+    ("nproc-not-int", ["--nproc-per-node", "abc", "scripts/worker.py"], "abc"),
+    ("nproc-zero", ["--nproc-per-node", "0", "scripts/worker.py"], "--nproc-per-node"),
+    ("nnodes-min-gt-max", ["--nnodes", "3:2", "scripts/worker.py"], "3:2"),
+    ("nnodes-garbage", ["--nnodes", "two", "scripts/worker.py"], "two"),
+    ("no-python-with-module", ["--no-python", "-m", "scripts.worker"], "--no-python"),
+    ("malformed-rdzv-conf", ["--rdzv-conf", "join_timeout", "scripts/worker.py"], "join_timeout"),
+    ("redirect-rank-out-of-range", ["--nproc-per-node", "2", "-r", "0:1,2:2",
+                                    "scripts/worker.py"], "local rank 2"),
+    ("tee-garbage", ["-t", "4", "scripts/worker.py"], "--tee"),
+    ("local-ranks-filter-garbage", ["--local-ranks-filter", "0,x", "scripts/worker.py"],
+     "--local-ranks-filter"),
+    ("unknown-option", ["--no-such-option", "scripts/worker.py"], "--no-such-option"),
+    ("unknown-signal", ["--signals-to-handle", "SIGTERM,SIGNOPE", "scripts/worker.py"],
+     "SIGNOPE"),
+    ("bad-master-port", ["--master-port", "99999", "scripts/worker.py"], "99999"),
+    ("no-script", [], "TRAINING_SCRIPT"),
+    ("virtual-local-rank-too-few-devices", ["--virtual-local-rank", "--nproc-per-node", "2",
+                                            "scripts/worker.py"], "CUDA_VISIBLE_DEVICES"),
+    ("node-rank-out-of-range", ["--rdzv-backend", "static", "--nnodes", "2", "--node-rank", "2",
+                                "--master-port", "29999", "scripts/worker.py"], "--node-rank"),
+    # Multi-node etcd comes with the etcd backend; until then (and with nothing at the
+    # endpoint afterwards) it must still be one clear line, not a hang or a traceback.
+    ("etcd-multi-node", ["--rdzv-backend", "etcd", "--nnodes", "2",
+                         "--rdzv-endpoint", "127.0.0.1:9", "--rdzv-conf", "join_timeout=5",
+                         "scripts/worker.py"], "etcd"),
+]
+
+
+@pytest.mark.parametrize("case,args,mentions", BAD_INPUT, ids=[c[0] for c in BAD_INPUT])
+def test_bad_input_one_line_error(workdir, test_env, case, args, mentions):
+    """Each bad command line: one ``tp-run: error:`` line naming the problem, non-zero
+    exit, no traceback, no worker started, no hang."""
+    r = tp_run(workdir, test_env, args, timeout=120, CUDA_VISIBLE_DEVICES="0")
+    assert r.returncode != 0
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("tp-run: error: "), r.stderr
+    assert mentions in lines[0], lines[0]
+    assert r.stdout == ""
+    assert dumped(workdir) == []
