@@ -23,6 +23,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from rendezvous import RendezvousError, RendezvousHandler, RendezvousInfo, create_handler
 from tp_launch.agent.events import EventLog
@@ -45,6 +46,9 @@ OMP_WARNING = (
 )
 
 
+_WORLD_CHANGED = object()  # selector tag of the rendezvous' world-change fd
+
+
 class SignalReceived(Exception):
     def __init__(self, sig: signal.Signals) -> None:
         super().__init__(f"received {sig.name}")
@@ -57,6 +61,9 @@ class AttemptResult:
 
     failures: list[ProcessFailure] = field(default_factory=list)
     root: ProcessFailure | None = None
+    # Multi-node: the world changed under the attempt (another node failed, left, or
+    # waits to be admitted): a rendezvous.membership.WorldChange.
+    change: Any = None
 
 
 class SignalWatch:
@@ -124,19 +131,30 @@ class NodeAgent:
                     run_id=self.rdzv.run_id, role=cfg.role, group_rank=info.node_rank,
                     restart_count=restart_count,
                     failed_ranks=sorted(f.rank for f in result.failures))
-                if not result.failures:
+                if not result.failures and result.change is None:
+                    result.change = self._exit_barrier()
+                if not result.failures and result.change is None:
                     logger.info("[%s] worker group successfully finished", cfg.role)
                     self.layout.remove_if_temporary()
                     return 0
-                if restart_count < cfg.max_restarts:
+                if result.change is not None and not result.change.counts_as_failure:
+                    # A node waits to be admitted: torchrun restarts the group to let it
+                    # in, and does not count that against --max-restarts.
+                    logger.warning("[%s] %s; restarting the worker group", cfg.role,
+                                   result.change.detail)
+                    continue
+                if result.change is not None:
+                    logger.error("[%s] worker group stopped: %s", cfg.role, result.change.detail)
+                if restart_count < cfg.max_restarts and self._may_restart():
                     restart_count += 1
                     logger.warning(
                         "[%s] Worker group FAILED. %s/%s attempts left; will restart worker group",
                         cfg.role, cfg.max_restarts - restart_count + 1, cfg.max_restarts)
                     continue
-                assert result.root is not None
-                print(format_summary(cfg.name, result.root, result.failures), file=sys.stderr)
-                copy_root_cause(result.root)
+                if result.root is not None:  # None: another node failed, ours were done
+                    print(format_summary(cfg.name, result.root, result.failures),
+                          file=sys.stderr)
+                    copy_root_cause(result.root)
                 return 1
         except SignalReceived as e:
             print(f"tp-run: stopped by {e.sig.name}; workers shut down", file=sys.stderr)
@@ -146,6 +164,10 @@ class NodeAgent:
             self._release_workers()
             self.rdzv.shutdown()
             watch.close()
+
+    def _may_restart(self) -> bool:
+        """Whether a failed attempt may be restarted (resilient mode can say no)."""
+        return True
 
     def _run_attempt(self, info: RendezvousInfo, restart_count: int,
                      watch: SignalWatch) -> AttemptResult:
@@ -187,14 +209,21 @@ class NodeAgent:
         cfg = self.config
         sel = selectors.DefaultSelector()
         sel.register(watch.fd, selectors.EVENT_READ, None)
+        rdzv_fd = getattr(self.rdzv, "fd", None)
+        if isinstance(rdzv_fd, int):
+            # Multi-node: readable when another node failed, left, or waits to join.
+            sel.register(rdzv_fd, selectors.EVENT_READ, _WORLD_CHANGED)
         for w in self.workers:
             sel.register(w.pidfd, selectors.EVENT_READ, w)
         try:
             running = set(self.workers)
             while running:
+                world_changed = False
                 for key, _ in sel.select(timeout=max(cfg.monitor_interval, 0.01)):
                     if key.data is None:
                         watch.drain()
+                    elif key.data is _WORLD_CHANGED:
+                        world_changed = self.rdzv.world_change() is not None  # type: ignore[attr-defined]
                     else:
                         sel.unregister(key.fd)
                 watch.raise_pending()
@@ -208,6 +237,8 @@ class NodeAgent:
                         failed.append(w)
                 if failed:
                     return self._fail(failed, global_ranks)
+                if world_changed:
+                    return self._world_changed(global_ranks)
             return AttemptResult()
         finally:
             sel.close()
@@ -217,6 +248,7 @@ class NodeAgent:
         for w in first:
             logger.error("failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s",
                          w.returncode, w.local_rank, w.pid, cfg.entrypoint[0])
+        self._report_failure(first[0], global_ranks)
         stop_workers(self.workers, signal.SIGTERM, cfg.shutdown_timeout)
         # torchrun's order (its summary numbers failures so): the failures that ended
         # the attempt, then the peers it stopped, each by local rank.
@@ -232,6 +264,33 @@ class NodeAgent:
                    key=lambda f: f.observed)
         return AttemptResult(failures, root)
 
+    def _report_failure(self, first: WorkerProcess, global_ranks: dict[int, int]) -> None:
+        """Multi-node: tell the other nodes at once, so they stop their workers too."""
+        report = getattr(self.rdzv, "report_failure", None)
+        if report is not None:
+            report(f"rank {global_ranks[first.local_rank]} (local_rank {first.local_rank}) "
+                   f"exited with {first.returncode}")
+
+    def _world_changed(self, global_ranks: dict[int, int]) -> AttemptResult:
+        """Another node failed, left, or waits: stop ours; the caller re-rendezvouses."""
+        cfg = self.config
+        change = self.rdzv.world_change()  # type: ignore[attr-defined]
+        logger.warning("[%s] %s: stopping the worker group", cfg.role, change.detail)
+        stop_workers(self.workers, signal.SIGTERM, cfg.shutdown_timeout)
+        failures = [
+            ProcessFailure(rank=global_ranks[w.local_rank], local_rank=w.local_rank, pid=w.pid,
+                           exitcode=w.returncode, error_file=w.error_file,
+                           observed=w.exit_time or time.time())
+            for w in sorted(self.workers, key=lambda w: w.local_rank) if w.returncode
+        ]
+        root = min(failures, key=lambda f: f.observed) if failures else None
+        return AttemptResult(failures, root, change)
+
+    def _exit_barrier(self) -> Any:
+        """Multi-node: wait until every node succeeded (a WorldChange if one did not)."""
+        barrier = getattr(self.rdzv, "exit_barrier", None)
+        return barrier() if barrier is not None else None
+
     def _release_workers(self) -> None:
         for w in self.workers:
             w.close()
@@ -246,6 +305,10 @@ def run_agent(config: LaunchConfig) -> int:
     GUARDIAN.start()  # forks: before any thread exists
     try:
         rdzv = create_handler(config)
+        if config.spares > 0:
+            from tp_launch.agent.resilient_agent import ResilientAgent
+
+            return ResilientAgent(config, rdzv).run()
         return NodeAgent(config, rdzv).run()
     except (RendezvousError, ConfigError, NotADirectoryError) as e:
         print(f"tp-run: error: {e}", file=sys.stderr)

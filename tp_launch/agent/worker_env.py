@@ -73,3 +73,19 @@ def _numa_wrapped(argv: list[str], mode: str, local_rank: int) -> list[str]:
         tuple(argv), gpu_index=local_rank,
         numa_options=NumaOptions(affinity_mode=AffinityMode(mode)))
     return list(wrapped)
+
+
+# A spare is not a rank until it is promoted: these are set by tp_launch.resilient then.
+_RANK_VARS = ("RANK", "ROLE_RANK")
+
+
+def spare_env(config: LaunchConfig, info: RendezvousInfo, slot: int, restart_count: int,
+              error_file: str) -> dict[str, str]:
+    """A parked spare's environment: a worker's, with no rank, LOCAL_RANK = its slot
+    (its own device: slots past --nproc-per-node are the spare devices)."""
+    env = worker_env(config, info, slot, restart_count, error_file)
+    for key in _RANK_VARS:
+        env.pop(key, None)
+    env["LOCAL_RANK"] = str(slot)
+    env["TP_RUN_SPARE"] = "1"
+    return env

@@ -88,20 +88,32 @@ class LogLayout:
         os.makedirs(attempt_dir)
         logs = AttemptLogs(attempt_dir)
         for r in range(cfg.nproc_per_node):
-            rank_dir = os.path.join(attempt_dir, str(r))
-            os.mkdir(rank_dir)
-            tee = cfg.tee.get(r, Std.NONE)
-            to_file = cfg.redirects.get(r, Std.NONE) | tee
-            out = os.path.join(rank_dir, "stdout.log") if to_file & Std.OUT else None
-            err = os.path.join(rank_dir, "stderr.log") if to_file & Std.ERR else None
-            tee_out = out if tee & Std.OUT else None
-            tee_err = err if tee & Std.ERR else None
-            if cfg.local_ranks_filter and r not in cfg.local_ranks_filter:
-                tee_out = tee_err = None
-                out = out or os.devnull
-                err = err or os.devnull
-            logs.ranks[r] = RankLogs(out, err, tee_out, tee_err, os.path.join(rank_dir, "error.json"))
+            logs.ranks[r] = self._rank_logs(attempt_dir, str(r), r)
         return logs
+
+    def spare_logs(self, logs: AttemptLogs, slot: int) -> RankLogs:
+        """Destinations for a spare process (``attempt_<n>/spare_<slot>/``), streams
+        handled as local rank 0's; it keeps them when it is promoted into a rank."""
+        if self._plugin is not None or self.disabled or logs.attempt_dir == os.devnull:
+            rl = logs.ranks[0]
+            return RankLogs(rl.stdout and os.devnull, rl.stderr and os.devnull, None, None, "")
+        return self._rank_logs(logs.attempt_dir, f"spare_{slot}", 0)
+
+    def _rank_logs(self, attempt_dir: str, name: str, r: int) -> RankLogs:
+        cfg = self._config
+        rank_dir = os.path.join(attempt_dir, name)
+        os.mkdir(rank_dir)
+        tee = cfg.tee.get(r, Std.NONE)
+        to_file = cfg.redirects.get(r, Std.NONE) | tee
+        out = os.path.join(rank_dir, "stdout.log") if to_file & Std.OUT else None
+        err = os.path.join(rank_dir, "stderr.log") if to_file & Std.ERR else None
+        tee_out = out if tee & Std.OUT else None
+        tee_err = err if tee & Std.ERR else None
+        if cfg.local_ranks_filter and r not in cfg.local_ranks_filter:
+            tee_out = tee_err = None
+            out = out or os.devnull
+            err = err or os.devnull
+        return RankLogs(out, err, tee_out, tee_err, os.path.join(rank_dir, "error.json"))
 
     def _plugin_attempt(self, restart_count: int) -> AttemptLogs:
         """Ask a ``--logs-specs`` plugin (a torchrun LogsSpecs) where the streams go."""
@@ -152,6 +164,12 @@ class ConsoleTail:
                 for r, path in files.items():
                     self._start(path, dup, prefixes[r],
                                 lambda line, f=filters: any(n in line for n in f))
+
+    def add(self, rl: RankLogs, name: str) -> None:
+        """Also copy a process started later (a spare) to the console, as ``[<name>]:``."""
+        for path, console in ((rl.tee_stdout, sys.stdout), (rl.tee_stderr, sys.stderr)):
+            if path:
+                self._start(path, console, f"[{name}]:", None)
 
     def _start(self, path: str, dst: TextIO, prefix: str,
                keep: Callable[[str], bool] | None) -> None:

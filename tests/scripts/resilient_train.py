@@ -1,0 +1,164 @@
+"""A resilient DDP job for the tests: deterministic data, chosen failures, a record of pids.
+
+    resilient_train.py --steps N [--kill RANK:STEP:WHERE,...] [--crash-step S]
+                       [--sabotage donor|newcomer] [--step-sleep SECONDS]
+
+WHERE is ``forward`` (a forward pre-hook), ``allreduce`` (inside DDP's gradient
+all-reduce: the communication hook), or ``after-step`` (right after optimizer.step()).
+Each kill happens once per job (a marker file in $OUT), by SIGKILL to the process
+itself. ``--crash-step S``: every rank raises at step S, every time (a script bug).
+``--sabotage``: a registered object that SIGKILLs its process while the state is moved
+(``donor``: when a donor snapshots it; ``newcomer``: when a newcomer loads it), once.
+
+Outputs in $OUT: ``entry_<pid>`` lines "rank step world" at each (re)entry of train,
+``final_<rank>.json`` {pid, step, checksum} at the end. With ``--no-resilient`` the
+same training runs as a plain torchrun script (the reference run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from tp_launch.resilient.ddp import ordered_allreduce_hook
+
+p = argparse.ArgumentParser()
+p.add_argument("--steps", type=int, default=20)
+p.add_argument("--kill", default="")
+p.add_argument("--crash-step", type=int, default=-1)
+p.add_argument("--sabotage", default="", choices=["", "donor", "newcomer"])
+p.add_argument("--step-sleep", type=float, default=0.0)
+p.add_argument("--width", type=int, default=32)
+p.add_argument("--no-resilient", action="store_true")
+p.add_argument("--parked", type=int, default=1, help="spares that must be parked before a kill")
+args = p.parse_args()
+OUT = os.environ["OUT"]
+KILLS = [tuple(k.split(":")) for k in args.kill.split(",") if k]
+
+
+def once(name: str) -> bool:
+    """True the first time in the whole job (across processes)."""
+    try:
+        fd = os.open(os.path.join(OUT, f"marker_{name}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    os.close(fd)
+    return True
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def wait_parked(count: int) -> None:
+    """Block until the agent has ``count`` parked spares (so a kill finds one)."""
+    status = os.environ.get("TP_RUN_CHANNEL", "") + ".json"
+    while os.path.exists(status):
+        try:
+            with open(status) as f:
+                if len(json.load(f)["parked_spares"]) >= count:
+                    return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.05)
+
+
+def maybe_kill(where: str, step: int) -> None:
+    rank = dist.get_rank()
+    for r, s, w in KILLS:
+        if int(r) == rank and int(s) == step and w == where:
+            wait_parked(args.parked)
+            if once(f"{r}_{s}_{w}"):
+                die()
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1_000_003 * step + rank)
+    x = torch.randn(16, 8, generator=g)
+    return x, x.sum(dim=1, keepdim=True) + 0.1 * torch.randn(16, 1, generator=g)
+
+
+class Saboteur:
+    """Registered state that kills its process while the state is being moved."""
+
+    def __init__(self) -> None:
+        self.entered = 0
+
+    def state_dict(self) -> dict:
+        if args.sabotage == "donor" and self.entered > 1 and once("sabotage_donor"):
+            die()
+        return {"blob": torch.zeros(64)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if args.sabotage == "newcomer" and once("sabotage_newcomer"):
+            die()
+
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, args.width), nn.Tanh(), nn.Linear(args.width, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+saboteur = Saboteur()
+current = [0]  # the step in flight, for the hooks
+model.register_forward_pre_hook(lambda *_: maybe_kill("forward", current[0]))
+
+
+def checksum(m: nn.Module) -> str:
+    h = hashlib.sha256()
+    for t in m.state_dict().values():
+        h.update(t.detach().numpy().tobytes())
+    return h.hexdigest()
+
+
+def train(state) -> str:
+    saboteur.entered += 1
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with open(os.path.join(OUT, f"entry_{os.getpid()}"), "a") as f:
+        f.write(f"{rank} {state.step} {world}\n")
+    ddp = DDP(model)
+
+    def comm_hook(_state, bucket):
+        maybe_kill("allreduce", current[0])
+        return ordered_allreduce_hook(None, bucket)
+
+    ddp.register_comm_hook(None, comm_hook)
+    for step in range(state.step, args.steps):
+        current[0] = step
+        if step == args.crash_step:
+            raise ValueError(f"deliberate bug at step {step}")
+        x, y = batch(step, rank)
+        loss = nn.functional.mse_loss(ddp(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        maybe_kill("after-step", step)
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+    return checksum(model)
+
+
+if args.no_resilient:
+    dist.init_process_group("gloo")
+
+    class _Plain:
+        step = 0
+
+    result = train(_Plain())
+    final_step = args.steps
+else:
+    from tp_launch import resilient
+
+    state = resilient.State(model=model, optimizer=opt, saboteur=saboteur)
+    result = resilient.run(train, state)
+    final_step = state.step
+with open(os.path.join(OUT, f"final_{dist.get_rank()}.json"), "w") as f:
+    json.dump({"pid": os.getpid(), "step": final_step, "checksum": result}, f)
+dist.destroy_process_group()

@@ -1,0 +1,100 @@
+"""The process group of one generation: build it, tear it down, abort it.
+
+Generation ``g`` builds the default process group on ``PrefixStore("tp-run/g<g>")``
+over the agent-hosted TCPStore: the store's host (the agent) outlives every worker, and
+a fresh prefix per generation means no key of a dead process is ever read again.
+
+Before ``init_process_group`` the ranks meet at an *arrival barrier* (a counter in the
+store, polled every few milliseconds): ``init_process_group`` cannot be interrupted, so
+a rank enters it only once every rank of the generation is alive and there; while it
+polls, a newer generation (the agent found another death) aborts the wait at once.
+
+Teardown drops every reference to the old group. For gloo that is what releases the
+peers still blocked in one of its collectives (their sockets close; gloo's ``abort`` is
+a no-op). NCCL does not notice dead peers this way: :func:`abort_nccl` aborts its
+communicators from the channel's thread as soon as a new generation is announced, and
+``TORCH_NCCL_ASYNC_ERROR_HANDLING`` (set by the agent) keeps NCCL's watchdog from
+killing the survivor.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import logging
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from tp_launch.resilient.state import GenerationChanged
+
+logger = logging.getLogger(__name__)
+
+# A store wait that outlives this is a generation that cannot form: give up, look for
+# a newer one (the agent publishes it as soon as it sees why).
+STORE_TIMEOUT = datetime.timedelta(seconds=60)
+_POLL_S = 0.002
+
+
+def default_backend() -> str:
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+
+
+def connect_store(addr: str, port: int) -> dist.TCPStore:
+    return dist.TCPStore(addr, port, is_master=False, timeout=STORE_TIMEOUT)
+
+
+def build(store: dist.Store, gen: int, rank: int, world_size: int, backend: str,
+          timeout: datetime.timedelta, stale: Callable[[], bool]) -> None:
+    """Make the default group of generation ``gen``.
+
+    Args:
+        store: the agent-hosted store (client).
+        gen, rank, world_size: this process's place in the generation.
+        backend: ``init_process_group``'s backend string.
+        timeout: the group's collective timeout.
+        stale: True once a newer generation has been announced.
+
+    Raises:
+        GenerationChanged: a newer generation was announced during the barrier.
+    """
+    pstore = dist.PrefixStore(f"tp-run/g{gen}", store)
+    arrival_barrier(pstore, "arrived", world_size, stale)
+    dist.init_process_group(backend, store=pstore, rank=rank, world_size=world_size,
+                            timeout=timeout)
+
+
+def arrival_barrier(store: dist.Store, key: str, count: int, stale: Callable[[], bool]) -> None:
+    """Wait until ``count`` processes added themselves to ``key``, or the generation is stale."""
+    store.add(key, 1)
+    delay = _POLL_S
+    while store.add(key, 0) < count:
+        if stale():
+            raise GenerationChanged("a newer generation was announced")
+        time.sleep(delay)
+        delay = min(delay * 1.5, 0.02)
+
+
+def teardown() -> None:
+    """Destroy the default group (if any) and collect the objects that held it."""
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as e:  # a broken group may complain; it is dropped either way
+            logger.debug("destroy_process_group: %s", e)
+    gc.collect()  # DDP and the old group's work objects sit in reference cycles
+
+
+def abort_nccl() -> None:
+    """Abort every NCCL communicator of the current group, from any thread."""
+    if not dist.is_initialized():
+        return
+    try:
+        if "nccl" in str(dist.get_backend()):
+            from torch.distributed.distributed_c10d import _abort_process_group
+
+            _abort_process_group()
+    except Exception as e:
+        logger.warning("aborting the NCCL group failed: %s", e)

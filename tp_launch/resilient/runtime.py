@@ -1,0 +1,284 @@
+"""``run(train, state)``: the worker's side of resilient mode.
+
+Under a tp-run agent with spares (``TP_RUN_CHANNEL`` set), every process of the script,
+ranks and spares alike, runs the script up to :func:`run` (torch imported, model and
+optimizer built) and connects to its agent there. Then, in a loop:
+
+1. wait for a generation that gives this process a rank (a spare parks here, blocked on
+   its socket: no CPU);
+2. build the generation's group (:mod:`tp_launch.resilient.group`), agree on the step
+   and receive or send the state (:mod:`tp_launch.resilient.transfer`);
+3. call ``train(state)``. It returns: report ``finished`` and wait for the agent's
+   exit barrier (a failure elsewhere before every rank finished brings a new
+   generation, and this rank, at the final step, becomes a donor). It raises because a
+   newer generation exists (a collective failed when a peer died, or the step-boundary
+   hook saw the announcement): drop the group and go to 2 with the new generation.
+   Any other exception is the script's own: it propagates and the process fails as it
+   would under torchrun (the agent then treats it as a dead rank).
+
+A planned migration's generation names a boundary step: the ranks stop right after
+committing it; the retiring rank hands its state to its replacement over a two-process
+group and exits 0.
+
+Without an agent channel (plain torchrun, or tp-run without ``--spares``) :func:`run`
+initialises the group from the environment and calls ``train(state)`` once.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from typing import Any, Callable, TypeVar
+
+import torch.distributed as dist
+
+from tp_launch import channel
+from tp_launch.resilient import group, transfer
+from tp_launch.resilient.state import GenerationChanged, State
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# How long a rank whose collective failed waits for the agent's new generation before
+# it takes the error for the script's own (the agent announces within milliseconds).
+RECOVERY_WAIT_S = 60.0
+
+
+class AgentLink:
+    """This process's connection to its agent; a thread receives the announcements."""
+
+    def __init__(self, path: str, slot: int, board: str | None) -> None:
+        self.slot = slot
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(path)
+        self.board = channel.ProgressBoard(board) if board else None
+        self._cond = threading.Condition()
+        self._latest: dict[str, Any] | None = None
+        self._exit = False
+        self._recovering = False  # the agent is waiting for a spare: wait without limit
+        self.current_gen = -1
+        self.report_first_step = False
+        channel.send(self.sock, {"op": "hello", "slot": slot, "pid": os.getpid()})
+        threading.Thread(target=self._read, name="tp-agent-link", daemon=True).start()
+
+    @classmethod
+    def from_env(cls) -> AgentLink | None:
+        path = os.environ.get(channel.ENV_SOCKET)
+        if not path:
+            return None
+        return cls(path, int(os.environ[channel.ENV_SLOT]), os.environ.get(channel.ENV_PROGRESS))
+
+    def _read(self) -> None:
+        reader = channel.LineReader()
+        while True:
+            try:
+                data = self.sock.recv(65536)
+            except OSError:
+                data = b""
+            if not data:
+                # The agent is gone: PR_SET_PDEATHSIG ends this process in a moment.
+                with self._cond:
+                    self._exit = True
+                    self._cond.notify_all()
+                return
+            for msg in reader.feed(data):
+                with self._cond:
+                    if msg["op"] == "generation":
+                        if self._latest is None or msg["gen"] > self._latest["gen"]:
+                            self._latest = msg
+                    elif msg["op"] == "exit":
+                        self._exit = True
+                    elif msg["op"] == "recovering":
+                        self._recovering = True
+                    self._cond.notify_all()
+                if msg["op"] == "generation" and msg.get("boundary") is None:
+                    group.abort_nccl()  # gloo needs no help: see group.py
+
+    def send(self, msg: dict[str, Any]) -> None:
+        channel.send(self.sock, msg)
+
+    def newer(self) -> dict[str, Any] | None:
+        """The announced generation if it is newer than the current one."""
+        latest = self._latest
+        return latest if latest is not None and latest["gen"] > self.current_gen else None
+
+    def stale(self) -> bool:
+        return self.newer() is not None
+
+    def wait(self, timeout: float | None, want_exit: bool = False) -> dict[str, Any] | None:
+        """Block until a newer generation (or, with ``want_exit``, the exit) arrives.
+
+        Returns the generation, ``{"op": "exit"}``, or None on timeout. A parked spare
+        also leaves on exit: the job is over.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                newer = self.newer()
+                if newer is not None:
+                    return newer
+                if self._exit:
+                    return {"op": "exit"}
+                if self._recovering:
+                    deadline = None
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return None
+                self._cond.wait(remaining)
+
+    def commit_hook(self, state: State) -> Callable[[int], None]:
+        """The per-step hook: publish the step; stop at a boundary if one is due."""
+        board, slot = self.board, self.slot
+
+        def state_rank() -> int:
+            return int(os.environ.get("RANK", "-1"))
+
+        def on_commit(step: int) -> None:
+            if board is not None:
+                board.write(slot, step)
+            if self.report_first_step:
+                self.report_first_step = False
+                self.send({"op": "stepped", "gen": self.current_gen, "rank": state_rank(),
+                           "step": step, "t": time.time()})
+            newer = self._latest
+            if newer is not None and newer["gen"] > self.current_gen:
+                boundary = newer.get("boundary")
+                if boundary is None or step >= boundary:
+                    raise GenerationChanged(f"generation {newer['gen']} at step {step}")
+
+        return on_commit
+
+
+def run(train: Callable[[State], T], state: State, *, backend: str | None = None,
+        timeout: datetime.timedelta | None = None) -> T:
+    """Run ``train(state)`` on this rank, and again after every recovery.
+
+    Args:
+        train: the training function; it must resume from ``state.step`` and build
+            anything that holds the process group (DDP) itself.
+        state: what must survive (see :class:`State`).
+        backend: ``init_process_group``'s backend (default: gloo; nccl for CUDA).
+        timeout: the group's collective timeout (torch's default if None).
+
+    Returns:
+        What ``train`` returned on this rank.
+    """
+    backend = backend or group.default_backend()
+    link = AgentLink.from_env()
+    if link is None:
+        if not dist.is_initialized():
+            dist.init_process_group(backend, timeout=timeout)
+        state.valid = True
+        return train(state)
+    if dist.is_initialized():
+        raise RuntimeError("tp_launch.resilient.run() builds the process group itself: "
+                           "do not call dist.init_process_group() in a resilient script")
+    return _Runner(link, state, backend, timeout).loop(train)
+
+
+class _Runner:
+    def __init__(self, link: AgentLink, state: State, backend: str,
+                 timeout: datetime.timedelta | None) -> None:
+        self.link = link
+        self.state = state
+        self.backend = backend
+        self.timeout = timeout or datetime.timedelta(minutes=30)
+        state._on_commit = link.commit_hook(state)
+
+    def loop(self, train: Callable[[State], T]) -> T:
+        link = self.link
+        announced = link.wait(None)
+        while True:
+            if announced.get("op") == "exit":
+                # Parked until the job ended (or the agent went away): nothing to do.
+                sys.exit(0)
+            gen = announced
+            link.current_gen = gen["gen"]
+            try:
+                if gen.get("rank") is None:
+                    self._retire(gen)  # not a rank in this generation
+                self._enter(gen)
+                result = train(self.state)
+                link.send({"op": "finished", "gen": gen["gen"], "rank": gen["rank"],
+                           "step": self.state.step})
+                announced = link.wait(None, want_exit=True)
+                if announced.get("op") == "exit":
+                    return result  # the group stays up for the script's epilogue
+            except GenerationChanged:
+                pass
+            except Exception as e:
+                if not _is_communication_error(e) and not link.stale():
+                    raise
+                logger.info("rank %s: %s: %s; moving to the next generation",
+                            gen.get("rank"), type(e).__name__, e)
+            # Out of the except block the traceback is gone, and with it the frames
+            # that held DDP and the old group: teardown can now really drop the group,
+            # which is what releases the peers still blocked in it (gloo).
+            group.teardown()
+            announced = link.wait(RECOVERY_WAIT_S)
+            if announced is None:
+                raise RuntimeError("a collective failed and no new generation came from "
+                                   f"the agent within {RECOVERY_WAIT_S:.0f} s")
+
+    def _enter(self, gen: dict[str, Any]) -> None:
+        """Join generation ``gen``: handoff (migration), group, agreement, transfer."""
+        link, state = self.link, self.state
+        t0 = time.monotonic()
+        store = group.connect_store(gen["master_addr"], gen["master_port"])
+        handoff = gen.get("handoff")
+        handoff_bytes = 0
+        if handoff is not None and handoff["role"] == "receiver":
+            handoff_bytes = self._handoff(store, handoff, receiver=True)
+        t1 = time.monotonic()
+        group.build(store, gen["gen"], gen["rank"], gen["world_size"], self.backend,
+                    self.timeout, link.stale)
+        t2 = time.monotonic()
+        stats = transfer.agree_and_transfer(state)
+        link.send({"op": "resumed", "gen": gen["gen"], "rank": gen["rank"], "step": stats.step,
+                   "handoff_s": t1 - t0, "group_s": t2 - t1, "agree_s": stats.agree_s,
+                   "transfer_s": stats.transfer_s, "bytes": stats.bytes + handoff_bytes,
+                   "donor": stats.donor, "t": time.time()})
+        if link.board is not None:
+            link.board.write(link.slot, state.step)
+        os.environ.update({"RANK": str(gen["rank"]), "WORLD_SIZE": str(gen["world_size"]),
+                           "ROLE_RANK": str(gen["rank"]),
+                           "ROLE_WORLD_SIZE": str(gen["world_size"])})
+        link._recovering = False
+        link.report_first_step = True
+
+    def _retire(self, gen: dict[str, Any]) -> None:
+        """This rank leaves (planned migration): hand the state over, then exit 0."""
+        handoff = gen.get("handoff")
+        if handoff is not None and handoff["role"] == "donor":
+            store = group.connect_store(gen["master_addr"], gen["master_port"])
+            self._handoff(store, handoff, receiver=False)
+        logger.info("slot %s retired at step %s", self.link.slot, self.state.step)
+        sys.exit(0)
+
+    def _handoff(self, store: dist.Store, handoff: dict[str, Any], receiver: bool) -> int:
+        """Move the state from the retiring rank (0) to its replacement (1)."""
+        pstore = dist.PrefixStore(handoff["prefix"], store)
+        group.arrival_barrier(pstore, "arrived", 2, self.link.stale)
+        pg = dist.ProcessGroupGloo(pstore, 1 if receiver else 0, 2, self.timeout)
+        try:
+            if receiver:
+                return transfer.recv_state(self.state, pg, 0)
+            return transfer.send_state(self.state, pg, 1)
+        finally:
+            del pg
+
+
+def _is_communication_error(e: BaseException) -> bool:
+    """An error a dead peer causes (gloo's are RuntimeErrors from its transport)."""
+    if isinstance(e, (dist.DistError, ConnectionError, TimeoutError)):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(
+        s in text for s in ("Connection", "connection", "Gloo", "gloo", "NCCL", "Socket",
+                            "peer", "closed", "Timed out", "timed out"))
