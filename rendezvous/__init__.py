@@ -52,11 +52,41 @@ def create_handler(config: LaunchConfig) -> RendezvousHandler:
     factory = _BACKENDS.get(config.rdzv_backend)
     if factory is None:
         known = ", ".join(sorted({"static", *_BACKENDS}))
-        if config.rdzv_backend in ("c10d", "etcd", "etcd-v2", "etcd-v3"):
-            raise RendezvousError(
-                f"multi-node rendezvous over {config.rdzv_backend!r} is not available in "
-                "this tp-run yet; use --rdzv-backend static with --master-addr/--master-port/"
-                "--node-rank, or --nnodes 1"
-            )
         raise RendezvousError(f"unknown --rdzv-backend {config.rdzv_backend!r} (known: {known})")
     return factory(config)
+
+
+def _membership_handler(config: LaunchConfig) -> RendezvousHandler:
+    """etcd (v3, whatever the name says) or c10d: the membership protocol over a KV."""
+    from rendezvous.conf import timeouts_from_conf
+    from rendezvous.handler import MembershipRendezvous
+    from rendezvous.kv import KVError
+    from rendezvous.membership import Membership, local_address
+
+    conf = config.rdzv_configs
+    t = timeouts_from_conf(conf)
+    prefix = conf.get("etcd_prefix", "/tp-run")
+    backend = config.rdzv_backend
+    # Reaching the service counts against join_timeout: an unreachable endpoint is an
+    # error within the configured timeout, never a hang.
+    connect = min(t.join_timeout, t.read_timeout)
+    try:
+        if backend == "c10d":
+            from rendezvous.c10d import c10d_kv_from_conf
+
+            kv = c10d_kv_from_conf(config.rdzv_endpoint, conf, connect, prefix)
+        else:
+            from rendezvous.etcd import etcd_kv_from_conf
+
+            kv = etcd_kv_from_conf(config.rdzv_endpoint, conf, connect, t.read_timeout)
+    except KVError as e:
+        raise RendezvousError(str(e)) from None
+    membership = Membership(kv, prefix, config.run_id, config.min_nodes, config.max_nodes,
+                            local_address(config.local_addr), t,
+                            safety_poll=min(5.0, max(0.5, t.keep_alive_interval)))
+    return MembershipRendezvous(membership, backend)
+
+
+# etcd-v2 is torchrun's name for its v2-API backend; etcd 3.4 disables that API by
+# default and 3.6 removed it, so every etcd name here speaks v3.
+register_backend(["etcd", "etcd-v2", "etcd-v3", "c10d"], _membership_handler)

@@ -119,3 +119,15 @@ def kill_tree(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
         os.kill(proc.pid, sig)
     except ProcessLookupError:
         pass
+
+
+# ---------------------------------------------------------------- etcd (rendezvous tests)
+
+
+@pytest.fixture(scope="session")
+def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator["EtcdServer"]:
+    """One real etcd for the session (tests keep apart by run id); stopped at the end."""
+    from tests.etcd_server import EtcdServer
+
+    with EtcdServer(tmp_path_factory.mktemp("etcd")) as server:
+        yield server

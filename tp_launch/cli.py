@@ -59,11 +59,16 @@ def _opt(*names: str, **kwargs: Any) -> Callable:
 @_opt("--nproc-per-node", "--nproc_per_node", default="1",
       help="Workers per node: an integer, or auto, cpu, gpu, xpu.")
 @_opt("--rdzv-backend", "--rdzv_backend", default="static",
-      help="Rendezvous backend: static, c10d, etcd (etcd-v2 and etcd-v3 mean the etcd v3 API).")
-@_opt("--rdzv-endpoint", "--rdzv_endpoint", default="", help="Rendezvous endpoint, host:port.")
-@_opt("--rdzv-id", "--rdzv_id", default="none", help="Job id, the same on every node.")
+      help="Rendezvous backend: static, c10d (a TCPStore on the endpoint host), etcd "
+      "(etcd-v2 and etcd-v3 also mean the etcd v3 API).")
+@_opt("--rdzv-endpoint", "--rdzv_endpoint", default="",
+      help="Rendezvous endpoint, host:port (etcd: the etcd server; c10d: default port 29400).")
+@_opt("--rdzv-id", "--rdzv_id", default="none",
+      help="Job id, the same on every node (under srun: SLURM_JOB_ID.SLURM_STEP_ID).")
 @_opt("--rdzv-conf", "--rdzv_conf", default="",
-      help="Extra rendezvous settings: key1=value1,key2=value2.")
+      help="Extra rendezvous settings: key1=value1,key2=value2 (join_timeout, "
+      "last_call_timeout, keep_alive_interval, lease_ttl, cacert, cert, key, user, "
+      "etcd_prefix, is_host...; the etcd password only via TP_RUN_ETCD_PASSWORD).")
 @_opt("--standalone", is_flag=True,
       help="Single-node job on a store this agent hosts on a free port; "
       "ignores --rdzv-backend/--rdzv-endpoint/--rdzv-id.")
@@ -114,6 +119,17 @@ def _opt(*names: str, **kwargs: Any) -> Callable:
       "(default: TORCH_ELASTIC_SHUTDOWN_TIMEOUT or 30).")
 @_opt("--virtual-local-rank", "--virtual_local_rank", is_flag=True,
       help="LOCAL_RANK=0 for every worker, each seeing only its own GPU.")
+@_opt("--spares", default=0, type=click.IntRange(min=0),
+      help="tp-run: spare processes per node, parked at tp_launch.resilient.run(); a dead "
+      "rank is replaced by one and the survivors keep running (scripts that use "
+      "tp_launch.resilient; others run as under torchrun).")
+@_opt("--spare-policy", "--spare_policy", default="restart",
+      type=click.Choice(["restart", "wait", "fail"]),
+      help="tp-run: when a rank dies and no spare is parked: restart every worker "
+      "(counted against --max-restarts, like torchrun), wait for a spare, or fail.")
+@_opt("--spare-wait-timeout", "--spare_wait_timeout", default=300.0,
+      type=click.FloatRange(min=0.0),
+      help="tp-run: seconds --spare-policy wait waits for a spare before the job fails.")
 @click.argument("training_script", envvar=None)
 @click.argument("training_script_args", nargs=-1, type=click.UNPROCESSED)
 def tp_run(**opts: Any) -> int:
@@ -129,6 +145,7 @@ def tp_run(**opts: Any) -> int:
 
 def config_from_options(opts: dict[str, Any]) -> LaunchConfig:
     """Resolve torchrun's defaults (standalone, master port) into a LaunchConfig."""
+    opts = _with_slurm_defaults(opts)
     min_nodes, max_nodes = parse_nnodes(opts["nnodes"])
     nproc = parse_nproc_per_node(opts["nproc_per_node"])
     backend, endpoint, run_id = opts["rdzv_backend"], opts["rdzv_endpoint"], opts["rdzv_id"]
@@ -145,6 +162,12 @@ def config_from_options(opts: dict[str, Any]) -> LaunchConfig:
         addr = opts["master_addr"]
         bare_ipv6 = ":" in addr and not addr.startswith("[")
         endpoint = f"[{addr}]:{master_port}" if bare_ipv6 else f"{addr}:{master_port}"
+
+    rdzv_configs = parse_rdzv_conf(opts["rdzv_conf"])
+    if not standalone and backend != "static" and max_nodes > 1:
+        from rendezvous.conf import validate
+
+        validate(backend, endpoint, rdzv_configs)  # bad etcd/c10d settings: exit 2 up front
 
     script, script_args = opts["training_script"], list(opts["training_script_args"])
     if script == "--" and script_args:
@@ -170,7 +193,7 @@ def config_from_options(opts: dict[str, Any]) -> LaunchConfig:
         rdzv_backend=backend,
         rdzv_endpoint=endpoint,
         run_id=run_id,
-        rdzv_configs=parse_rdzv_conf(opts["rdzv_conf"]),
+        rdzv_configs=rdzv_configs,
         standalone=standalone,
         max_restarts=opts["max_restarts"],
         monitor_interval=opts["monitor_interval"],
@@ -196,7 +219,26 @@ def config_from_options(opts: dict[str, Any]) -> LaunchConfig:
         shutdown_timeout=shutdown_timeout,
         virtual_local_rank=opts["virtual_local_rank"],
         log_line_prefix_template=os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
+        spares=opts["spares"],
+        spare_policy=opts["spare_policy"],
+        spare_wait_timeout=opts["spare_wait_timeout"],
     )
+
+
+def _with_slurm_defaults(opts: dict[str, Any]) -> dict[str, Any]:
+    """Under srun, options left at their defaults take Slurm's values (tp_launch.slurm);
+    a flag or PET_* variable the user gave always wins."""
+    from tp_launch.slurm import slurm_defaults
+
+    defaults = slurm_defaults(os.environ)
+    ctx = click.get_current_context(silent=True)
+    if not defaults or ctx is None:
+        return opts
+    out = dict(opts)
+    for name, value in defaults.items():
+        if ctx.get_parameter_source(name) in (None, click.core.ParameterSource.DEFAULT):
+            out[name] = value
+    return out
 
 
 def _entrypoint(script: str, args: list[str], opts: dict[str, Any]) -> tuple[list[str], str]:
@@ -256,7 +298,13 @@ def expand_abbreviations(command: click.Command, argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: click parsing with one-line usage errors."""
     _setup_logging()
-    argv = expand_abbreviations(tp_run, sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["migrate"] and not os.path.exists("migrate"):
+        # A control command for a running job (a training script named "migrate" wins).
+        from tp_launch.migrate import main as migrate_main
+
+        migrate_main(argv[1:])
+    argv = expand_abbreviations(tp_run, argv)
     try:
         code = tp_run.main(args=argv, prog_name="tp-run", standalone_mode=False)
     except click.UsageError as e:

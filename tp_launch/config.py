@@ -45,6 +45,10 @@ class LaunchConfig:
         log_dir: base log directory (None: a temporary one), ``os.devnull``: no files.
         signals_to_handle: signals the agent forwards to its workers, then exits 1.
         shutdown_timeout: seconds between the polite signal and SIGKILL.
+        spares: parked spare processes per node (resilient mode; 0: torchrun's behaviour).
+        spare_policy: no spare ready when a rank dies: ``restart`` every worker (counted
+            against max_restarts, like torchrun), ``wait`` for one up to
+            ``spare_wait_timeout`` seconds, or ``fail``.
     """
 
     min_nodes: int = 1
@@ -81,6 +85,11 @@ class LaunchConfig:
     shutdown_timeout: float = 30.0
     virtual_local_rank: bool = False
     log_line_prefix_template: str | None = None
+    # Resilient mode (tp-run only): parked spare processes per node, and what happens
+    # when a rank dies and none is ready.
+    spares: int = 0
+    spare_policy: str = "restart"
+    spare_wait_timeout: float = 300.0
 
 
 def parse_nnodes(value: str) -> tuple[int, int]:

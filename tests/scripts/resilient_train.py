@@ -39,6 +39,7 @@ p.add_argument("--sabotage", default="", choices=["", "donor", "newcomer"])
 p.add_argument("--step-sleep", type=float, default=0.0)
 p.add_argument("--width", type=int, default=32)
 p.add_argument("--no-resilient", action="store_true")
+p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
 p.add_argument("--parked", type=int, default=1, help="spares that must be parked before a kill")
 args = p.parse_args()
 OUT = os.environ["OUT"]
@@ -61,14 +62,9 @@ def die() -> None:
 
 def wait_parked(count: int) -> None:
     """Block until the agent has ``count`` parked spares (so a kill finds one)."""
-    status = os.environ.get("TP_RUN_CHANNEL", "") + ".json"
-    while os.path.exists(status):
-        try:
-            with open(status) as f:
-                if len(json.load(f)["parked_spares"]) >= count:
-                    return
-        except (OSError, ValueError):
-            pass
+    from tp_launch.resilient import parked_spares
+
+    while "TP_RUN_CHANNEL" in os.environ and parked_spares() < count:
         time.sleep(0.05)
 
 
@@ -84,7 +80,8 @@ def maybe_kill(where: str, step: int) -> None:
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1_000_003 * step + rank)
     x = torch.randn(16, 8, generator=g)
-    return x, x.sum(dim=1, keepdim=True) + 0.1 * torch.randn(16, 1, generator=g)
+    y = x.sum(dim=1, keepdim=True) + 0.1 * torch.randn(16, 1, generator=g)
+    return x.to(DEVICE), y.to(DEVICE)
 
 
 class Saboteur:
@@ -103,8 +100,11 @@ class Saboteur:
             die()
 
 
+if args.device == "cuda":  # a spare's LOCAL_RANK is its own (spare) device
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+DEVICE = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else None
 torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(8, args.width), nn.Tanh(), nn.Linear(args.width, 1))
+model = nn.Sequential(nn.Linear(8, args.width), nn.Tanh(), nn.Linear(args.width, 1)).to(DEVICE)
 opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 saboteur = Saboteur()
 current = [0]  # the step in flight, for the hooks
@@ -114,7 +114,7 @@ model.register_forward_pre_hook(lambda *_: maybe_kill("forward", current[0]))
 def checksum(m: nn.Module) -> str:
     h = hashlib.sha256()
     for t in m.state_dict().values():
-        h.update(t.detach().numpy().tobytes())
+        h.update(t.detach().cpu().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -123,7 +123,7 @@ def train(state) -> str:
     rank, world = dist.get_rank(), dist.get_world_size()
     with open(os.path.join(OUT, f"entry_{os.getpid()}"), "a") as f:
         f.write(f"{rank} {state.step} {world}\n")
-    ddp = DDP(model)
+    ddp = DDP(model, device_ids=[DEVICE] if DEVICE is not None else None)
 
     def comm_hook(_state, bucket):
         maybe_kill("allreduce", current[0])

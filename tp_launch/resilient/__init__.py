@@ -10,7 +10,7 @@ example and its diff against a plain DDP script.
 """
 
 from tp_launch.resilient.ddp import ordered_allreduce_hook
-from tp_launch.resilient.runtime import run
+from tp_launch.resilient.runtime import parked_spares, run
 from tp_launch.resilient.state import GenerationChanged, State
 
-__all__ = ["GenerationChanged", "State", "ordered_allreduce_hook", "run"]
+__all__ = ["GenerationChanged", "State", "ordered_allreduce_hook", "parked_spares", "run"]

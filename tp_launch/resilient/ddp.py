@@ -12,13 +12,12 @@ and traffic: for small models, tests, and anyone who needs bit-exact reproducibi
     ddp.register_comm_hook(None, ordered_allreduce_hook)
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations``: DDP checks the hook's annotations as objects.
 import torch
 import torch.distributed as dist
 
 
-def ordered_allreduce_hook(process_group: dist.ProcessGroup | None,
+def ordered_allreduce_hook(process_group: object,
                            bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket over the ranks, summing in rank order."""
     group = process_group if process_group is not None else dist.group.WORLD
@@ -27,7 +26,7 @@ def ordered_allreduce_hook(process_group: dist.ProcessGroup | None,
     gathered = torch.empty(world * buf.numel(), dtype=buf.dtype, device=buf.device)
     fut = dist.all_gather_single(gathered, buf, group=group, async_op=True).get_future()
 
-    def reduce(f: torch.futures.Future) -> torch.Tensor:
+    def reduce(f: "torch.futures.Future[list[torch.Tensor]]") -> torch.Tensor:
         f.value()  # re-raises the collective's error (a dead peer): never sum garbage
         rows = gathered.view(world, -1)
         out = rows[0].clone()

@@ -27,6 +27,7 @@ initialises the group from the environment and calls ``train(state)`` once.
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import socket
@@ -153,6 +154,18 @@ class AgentLink:
                     raise GenerationChanged(f"generation {newer['gen']} at step {step}")
 
         return on_commit
+
+
+def parked_spares() -> int:
+    """How many spares this node's agent has parked right now (0 without an agent)."""
+    path = os.environ.get(channel.ENV_SOCKET)
+    if not path:
+        return 0
+    try:
+        with open(path + ".json") as f:
+            return len(json.load(f)["parked_spares"])
+    except (OSError, ValueError, KeyError):
+        return 0
 
 
 def run(train: Callable[[State], T], state: State, *, backend: str | None = None,

@@ -1,0 +1,1 @@
+"""Fault-tolerance strategies benchmark: checkpoint restart, TorchFT, tp-run (see README)."""

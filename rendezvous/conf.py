@@ -1,0 +1,103 @@
+"""torchrun's ``--rdzv-conf`` keys for the multi-node backends, parsed once.
+
+Known keys (seconds unless noted): ``join_timeout`` (etcd's old ``timeout`` too),
+``last_call_timeout``, ``close_timeout``, ``keep_alive_interval``,
+``keep_alive_max_attempt`` (a count), ``heartbeat_timeout``, ``read_timeout``,
+``lease_ttl`` (etcd lease / c10d heartbeat TTL; default ``heartbeat_timeout``),
+``exit_barrier_timeout``; the backends' own keys are read by :mod:`rendezvous.etcd` and
+:mod:`rendezvous.c10d`. Unknown keys are ignored, as torchrun ignores them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from rendezvous.membership import Timeouts
+
+logger = logging.getLogger(__name__)
+
+_DURATIONS = ("join_timeout", "last_call_timeout", "close_timeout", "keep_alive_interval",
+              "heartbeat_timeout", "read_timeout", "lease_ttl", "exit_barrier_timeout")
+_ALIASES = {"timeout": "join_timeout", "ttl": "lease_ttl"}
+BACKEND_KEYS = {"protocol", "cacert", "ca_cert", "cert", "ssl_cert", "key", "ssl_cert_key",
+                "etcd_prefix", "user", "is_host", "store_type", "use_libuv",
+                "rank", "local_addr"}
+
+
+def timeouts_from_conf(conf: dict[str, str]) -> Timeouts:
+    """:class:`Timeouts` from ``--rdzv-conf``; a bad value is a ConfigError."""
+    from tp_launch.config import ConfigError, parse_duration
+
+    t = Timeouts()
+    given: set[str] = set()
+    for raw_key, value in conf.items():
+        key = _ALIASES.get(raw_key, raw_key)
+        if key in _DURATIONS:
+            seconds = parse_duration(value, raw_key)
+            if seconds <= 0:
+                raise ConfigError(f"--rdzv-conf {raw_key}={value!r} must be positive")
+            setattr(t, key, seconds)
+            given.add(key)
+        elif key == "keep_alive_max_attempt":
+            try:
+                t.keep_alive_max_attempt = int(value)
+            except ValueError:
+                raise ConfigError(f"--rdzv-conf {key}={value!r} is not an integer") from None
+            if t.keep_alive_max_attempt < 1:
+                raise ConfigError(f"--rdzv-conf {key}={value!r} must be at least 1")
+        elif key not in BACKEND_KEYS:
+            logger.debug("ignoring unknown --rdzv-conf key %r", raw_key)
+    if "lease_ttl" not in given:
+        t.lease_ttl = t.heartbeat_timeout
+    if t.keep_alive_interval >= t.lease_ttl:
+        raise ConfigError(
+            f"--rdzv-conf keep_alive_interval={t.keep_alive_interval:g} must be shorter than "
+            f"the lease TTL ({t.lease_ttl:g}s: lease_ttl, or heartbeat_timeout)")
+    return t
+
+
+def validate(backend: str, endpoint: str, conf: dict[str, str]) -> None:
+    """Check a multi-node etcd/c10d setup before anything starts (ConfigError if bad).
+
+    What needs the service itself (reachability, TLS handshake, password) is checked
+    when the agent connects, within the configured timeout.
+    """
+    import os
+
+    from tp_launch.config import ConfigError, split_endpoint
+
+    timeouts_from_conf(conf)
+    if backend not in ("etcd", "etcd-v2", "etcd-v3", "c10d"):
+        return
+    if not endpoint:
+        raise ConfigError(f"--rdzv-backend {backend} needs --rdzv-endpoint host:port")
+    split_endpoint(endpoint.split("://", 1)[-1].rstrip("/"), 0)
+    if backend == "c10d":
+        from rendezvous.c10d import parse_bool
+        from rendezvous.kv import KVError
+
+        try:
+            parse_bool(conf.get("is_host"), "is_host")
+        except KVError as e:
+            raise ConfigError(str(e)) from None
+        return
+    from rendezvous.etcd import PASSWORD_ENV
+
+    if "password" in conf:
+        raise ConfigError(f"--rdzv-conf password=... would show in the process list; "
+                          f"set {PASSWORD_ENV} instead")
+    protocol = conf.get("protocol", "http").lower()
+    if "://" in endpoint:
+        protocol = endpoint.split("://", 1)[0].lower()
+    if protocol not in ("http", "https"):
+        raise ConfigError(f"--rdzv-conf protocol={protocol!r} must be http or https")
+    ca = conf.get("cacert") or conf.get("ca_cert")
+    cert = conf.get("cert") or conf.get("ssl_cert")
+    key = conf.get("key") or conf.get("ssl_cert_key")
+    if protocol == "https" and not ca:
+        raise ConfigError("--rdzv-conf protocol=https needs cacert=<CA file> (etcd's CA)")
+    if bool(cert) != bool(key):
+        raise ConfigError("--rdzv-conf: a client certificate needs both cert= and key=")
+    for path in filter(None, (ca, cert, key)):
+        if not os.path.isfile(path):
+            raise ConfigError(f"--rdzv-conf: TLS file not found: {path}")

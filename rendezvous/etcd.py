@@ -1,0 +1,239 @@
+"""The etcd v3 backend: the membership protocol over etcd's leases, transactions, watches.
+
+``--rdzv-backend etcd``, ``etcd-v2`` and ``etcd-v3`` all land here and all speak the v3
+API (gRPC, through ``etcd-sdk-python`` / ``pyetcd``). torch's own etcd backends speak the
+v2 API, which etcd 3.4 disables by default and 3.6 removed; an old torchrun command line
+with ``etcd-v2`` therefore keeps working against a current etcd.
+
+Settings (``--rdzv-conf``): ``protocol`` (http/https), ``cacert``/``ca_cert``,
+``cert``/``ssl_cert``, ``key``/``ssl_cert_key``, ``etcd_prefix`` (default ``/tp-run``),
+``user`` (or ``TP_RUN_ETCD_USER``); the password only from ``TP_RUN_ETCD_PASSWORD``,
+never from the command line (it would show in ``ps``).
+
+Why a version is etcd's ``mod_revision``: every write bumps it, so a compare on it in a
+transaction is a compare-and-swap that no stale writer can pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Callable
+
+from rendezvous.kv import KV, KVError
+
+logger = logging.getLogger(__name__)
+
+PASSWORD_ENV = "TP_RUN_ETCD_PASSWORD"
+USER_ENV = "TP_RUN_ETCD_USER"
+
+
+def _import_grpc_quietly() -> None:
+    """Import gRPC with its own logging off (it would print TLS handshake failures and
+    retries on stderr; the agent reports them itself, in one line). The level is read
+    at import, so the workers' environment keeps whatever the user set."""
+    import sys
+
+    if "grpc" in sys.modules:
+        return
+    old = os.environ.get("GRPC_VERBOSITY")
+    os.environ["GRPC_VERBOSITY"] = "NONE"
+    try:
+        import grpc  # noqa: F401
+    finally:
+        if old is None:
+            del os.environ["GRPC_VERBOSITY"]
+        else:
+            os.environ["GRPC_VERBOSITY"] = old
+
+
+def _describe(e: BaseException) -> str:
+    """A one-line reason from a gRPC error (or anything else)."""
+    details = getattr(e, "details", None)
+    if callable(details):
+        try:
+            text = details()
+            code = e.code().name  # type: ignore[attr-defined]
+            return f"{code}: {text}" if text else code
+        except Exception:  # noqa: BLE001 - best effort only
+            pass
+    return str(e) or type(e).__name__
+
+
+class EtcdKV(KV):
+    """:class:`~rendezvous.kv.KV` over one etcd v3 endpoint.
+
+    Args:
+        host, port: the etcd client endpoint.
+        timeout: seconds per request (``read_timeout``).
+        connect_timeout: how long to keep trying to reach etcd at start.
+        ca_cert, cert, key: TLS files (``ca_cert`` alone: server-authenticated TLS).
+        user, password: etcd authentication (both or neither).
+    """
+
+    def __init__(self, host: str, port: int, *, timeout: float = 10.0,
+                 connect_timeout: float = 30.0, ca_cert: str | None = None,
+                 cert: str | None = None, key: str | None = None,
+                 user: str | None = None, password: str | None = None) -> None:
+        # The agent forks its workers (and exec's at once): gRPC's fork handlers are not
+        # needed, and with them on, every spawn logs "Other threads are currently calling
+        # into gRPC, skipping fork() handlers".
+        os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+        _import_grpc_quietly()
+        import grpc
+        import pyetcd
+        from pyetcd import etcdrpc
+        from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
+
+        self._grpc = grpc
+        self._timeout = timeout
+        where = f"etcd at {host}:{port}"
+        creds = None
+        if ca_cert or cert or key:
+            if bool(cert) != bool(key):
+                raise KVError(f"{where}: TLS needs both cert and key (or neither)")
+            for path in filter(None, (ca_cert, cert, key)):
+                if not os.path.isfile(path):
+                    raise KVError(f"{where}: TLS file not found: {path}")
+            creds = MultiEndpointEtcd3Client.get_secure_creds(ca_cert, key, cert)
+        if bool(user) != bool(password):
+            raise KVError(f"{where}: authentication needs a user and a password "
+                          f"(user via --rdzv-conf user=... or {USER_ENV}, password via "
+                          f"{PASSWORD_ENV})")
+        # pyetcd marks an endpoint "failed" for 300 s after one transient error and then
+        # refuses to use it; with a single endpoint that would turn a blip into an outage.
+        endpoint = Endpoint(host, port, secure=creds is not None, creds=creds, time_retry=0.0)
+        deadline = time.monotonic() + connect_timeout
+        last = ""
+        while True:
+            try:
+                self._client = MultiEndpointEtcd3Client(
+                    endpoints=[endpoint], timeout=timeout, user=user, password=password)
+                if creds is None:
+                    # pyetcd sends the auth token twice: as metadata, and as call
+                    # credentials, which gRPC refuses on a plain-text channel.
+                    self._client.call_credentials = None
+                # The raw stub, not client.status(): pyetcd's wrapper drops gRPC's
+                # details (which say "handshake failed", "connection refused"...).
+                self._client.maintenancestub.Status(
+                    etcdrpc.StatusRequest(), timeout, credentials=self._client.call_credentials,
+                    metadata=self._client.metadata)
+                break
+            except grpc.RpcError as e:
+                last = _describe(e)
+                if e.code() in (grpc.StatusCode.INVALID_ARGUMENT,
+                                grpc.StatusCode.PERMISSION_DENIED,
+                                grpc.StatusCode.UNAUTHENTICATED,
+                                grpc.StatusCode.FAILED_PRECONDITION):
+                    raise KVError(f"{where} refused the login: {last}") from None
+            except pyetcd.exceptions.Etcd3Exception as e:
+                last = _describe(e)
+            if time.monotonic() > deadline:
+                endpoint.close()
+                raise KVError(f"cannot reach {where} within {connect_timeout:g}s "
+                              f"({'TLS, ' if creds else ''}last error: {last})")
+            time.sleep(0.5)
+        self._tx = self._client.transactions
+        self._where = where
+
+    def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:  # grpc.RpcError or pyetcd's wrappers of it
+            why = _describe(e)
+            if "user name is empty" in why:
+                why += (f" (this etcd requires a login: --rdzv-conf user=... and "
+                        f"{PASSWORD_ENV})")
+            raise KVError(f"{self._where}: {what} failed: {why}") from None
+
+    def get(self, key: str) -> tuple[str | None, Any]:
+        value, meta = self._call("get", self._client.get, key)
+        if value is None:
+            return None, None
+        return value.decode(), meta.mod_revision
+
+    def cas(self, key: str, version: Any, value: str) -> bool:
+        compare = (self._tx.create(key) == 0) if version is None else \
+            (self._tx.mod(key) == version)
+        ok, _ = self._call("transaction", self._client.transaction,
+                           compare=[compare], success=[self._tx.put(key, value)], failure=[])
+        return bool(ok)
+
+    def put(self, key: str, value: str, lease: Any = None) -> None:
+        self._call("put", self._client.put, key, value, lease=lease)
+
+    def get_prefix(self, prefix: str) -> dict[str, str]:
+        items = self._call("get", lambda: list(self._client.get_prefix(prefix)))
+        return {meta.key.decode(): value.decode() for value, meta in items}
+
+    def delete_prefix(self, prefix: str) -> None:
+        self._call("delete", self._client.delete_prefix, prefix)
+
+    def lease_grant(self, ttl: float) -> Any:
+        # etcd leases have whole-second TTLs, and etcd enforces a minimum (its
+        # heartbeat x 1.5 or so); round up so a short TTL is never shorter than asked.
+        lease = self._call("lease grant", self._client.lease, max(1, int(-(-ttl // 1))))
+        return lease.id
+
+    def lease_keepalive(self, lease: Any) -> bool:
+        responses = self._call("keep-alive", lambda: list(self._client.refresh_lease(lease)))
+        return bool(responses) and responses[-1].TTL > 0
+
+    def lease_revoke(self, lease: Any) -> None:
+        try:
+            self._client.revoke_lease(lease)
+        except Exception as e:  # noqa: BLE001 - an expired lease is already gone
+            logger.debug("lease revoke: %s", _describe(e))
+
+    def watch_prefix(self, prefix: str, callback: Callable[[], None]) -> Callable[[], None]:
+        def on_event(_response: Any) -> None:
+            # An error (the stream broke) is also a reason to look again.
+            callback()
+
+        watch_id = self._call("watch", self._client.add_watch_prefix_callback, prefix, on_event)
+
+        def cancel() -> None:
+            try:
+                self._client.cancel_watch(watch_id)
+            except Exception:  # noqa: BLE001 - closing anyway
+                pass
+
+        return cancel
+
+    def close(self) -> None:
+        try:
+            self._client.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def etcd_kv_from_conf(endpoint: str, conf: dict[str, str], connect_timeout: float,
+                      timeout: float) -> EtcdKV:
+    """An :class:`EtcdKV` for ``--rdzv-endpoint`` and torchrun's etcd ``--rdzv-conf`` keys."""
+    from tp_launch.config import split_endpoint
+
+    if not endpoint:
+        raise KVError("--rdzv-backend etcd needs --rdzv-endpoint host:port (the etcd server)")
+    if "://" in endpoint:  # accept http://host:port as torch's etcd backend does
+        scheme, endpoint = endpoint.split("://", 1)
+        conf = {"protocol": scheme, **conf}
+    host, port = split_endpoint(endpoint.rstrip("/"), 2379)
+    protocol = conf.get("protocol", "http").lower()
+    if protocol not in ("http", "https"):
+        raise KVError(f"--rdzv-conf protocol={protocol!r} must be http or https")
+    ca_cert = conf.get("cacert") or conf.get("ca_cert")
+    cert = conf.get("cert") or conf.get("ssl_cert")
+    key = conf.get("key") or conf.get("ssl_cert_key")
+    if protocol == "https" and not ca_cert:
+        raise KVError("--rdzv-conf protocol=https needs cacert=<CA file> (etcd's CA)")
+    if protocol == "http" and (cert or key or ca_cert):
+        protocol = "https"  # certificates given: TLS was meant
+    user = conf.get("user") or os.environ.get(USER_ENV) or None
+    password = os.environ.get(PASSWORD_ENV) or None
+    if "password" in conf:
+        raise KVError(f"--rdzv-conf password=... would show in the process list; "
+                      f"set {PASSWORD_ENV} instead")
+    return EtcdKV(host, port, timeout=timeout, connect_timeout=connect_timeout,
+                  ca_cert=ca_cert if protocol == "https" else None, cert=cert, key=key,
+                  user=user, password=password)

@@ -1,0 +1,132 @@
+"""The small key-value interface the membership protocol runs on.
+
+:mod:`rendezvous.membership` needs only these operations, so that the protocol is
+written once and the backends stay thin:
+
+- ``get`` a key with its *version* (an opaque token that changes on every write),
+- ``cas``: write a key only if its version is still the one read (the fencing step),
+- ``put`` a key, optionally attached to a *lease*,
+- ``get_prefix``: every key under a prefix,
+- leases: ``lease_grant`` / ``lease_keepalive`` / ``lease_revoke``; keys attached to a
+  lease vanish when it expires (a dead agent's liveness key),
+- ``watch_prefix``: a callback on any change under a prefix (may be emulated by polling:
+  the protocol re-reads on its own timer too, so a watch only makes it faster),
+- ``delete_prefix``.
+
+Implementations: :class:`rendezvous.etcd.EtcdKV` (etcd v3) and
+:class:`rendezvous.c10d.C10dKV` (a TCPStore). :class:`CountingKV` wraps either and
+counts requests, for the scale benchmark.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from typing import Any, Callable
+
+
+class KVError(RuntimeError):
+    """The backend cannot be reached or refused the request; the message says why."""
+
+
+class KV(abc.ABC):
+    """A key-value store with versions, leases and prefix watches.
+
+    Keys and values are ``str``; versions are opaque (``None``: the key is absent).
+    """
+
+    @abc.abstractmethod
+    def get(self, key: str) -> tuple[str | None, Any]:
+        """(value, version) of ``key``; (None, None) if it is absent."""
+
+    @abc.abstractmethod
+    def cas(self, key: str, version: Any, value: str) -> bool:
+        """Set ``key`` to ``value`` if its version is ``version`` (None: only if absent)."""
+
+    @abc.abstractmethod
+    def put(self, key: str, value: str, lease: Any = None) -> None:
+        """Set ``key``; attached to ``lease`` (from :meth:`lease_grant`) if given."""
+
+    @abc.abstractmethod
+    def get_prefix(self, prefix: str) -> dict[str, str]:
+        """Every live key under ``prefix`` with its value."""
+
+    @abc.abstractmethod
+    def delete_prefix(self, prefix: str) -> None:
+        """Remove every key under ``prefix``."""
+
+    @abc.abstractmethod
+    def lease_grant(self, ttl: float) -> Any:
+        """A new lease that expires ``ttl`` seconds after its last keep-alive."""
+
+    @abc.abstractmethod
+    def lease_keepalive(self, lease: Any) -> bool:
+        """Refresh ``lease``; False if it has already expired (it cannot come back)."""
+
+    @abc.abstractmethod
+    def lease_revoke(self, lease: Any) -> None:
+        """End ``lease`` now; its keys vanish."""
+
+    @abc.abstractmethod
+    def watch_prefix(self, prefix: str, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback()`` (from another thread) after changes under ``prefix``;
+        returns a function that cancels the watch."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the connection (and anything this process hosts)."""
+
+
+class CountingKV(KV):
+    """Forwards to another KV and counts the requests it makes (the benchmark's meter).
+
+    A keep-alive counts as one request; a watch as one (its events are pushed).
+    """
+
+    def __init__(self, inner: KV) -> None:
+        self.inner = inner
+        self.requests = 0
+        self._lock = threading.Lock()
+
+    def _count(self) -> None:
+        with self._lock:
+            self.requests += 1
+
+    def get(self, key: str) -> tuple[str | None, Any]:
+        self._count()
+        return self.inner.get(key)
+
+    def cas(self, key: str, version: Any, value: str) -> bool:
+        self._count()
+        return self.inner.cas(key, version, value)
+
+    def put(self, key: str, value: str, lease: Any = None) -> None:
+        self._count()
+        self.inner.put(key, value, lease)
+
+    def get_prefix(self, prefix: str) -> dict[str, str]:
+        self._count()
+        return self.inner.get_prefix(prefix)
+
+    def delete_prefix(self, prefix: str) -> None:
+        self._count()
+        self.inner.delete_prefix(prefix)
+
+    def lease_grant(self, ttl: float) -> Any:
+        self._count()
+        return self.inner.lease_grant(ttl)
+
+    def lease_keepalive(self, lease: Any) -> bool:
+        self._count()
+        return self.inner.lease_keepalive(lease)
+
+    def lease_revoke(self, lease: Any) -> None:
+        self._count()
+        self.inner.lease_revoke(lease)
+
+    def watch_prefix(self, prefix: str, callback: Callable[[], None]) -> Callable[[], None]:
+        self._count()
+        return self.inner.watch_prefix(prefix, callback)
+
+    def close(self) -> None:
+        self.inner.close()

@@ -1,0 +1,696 @@
+"""The membership protocol: agents form numbered worlds over a :class:`~rendezvous.kv.KV`.
+
+Written once for every backend (etcd v3, c10d); the backends only provide versions,
+compare-and-swap, leases and prefix watches. All keys live under
+``<prefix>/<run id>/`` (``P/`` below), so two jobs on one etcd never see each other.
+
+Keys
+----
+``P/state``
+    One JSON document, always written with compare-and-swap on its version:
+    ``round`` (the rendezvous round, +1 per restart), ``phase`` (``joining``,
+    ``closed`` or ``complete``), ``participants`` (the world of a closed round, in node
+    rank order: id, address, local world size), ``spares`` (members beyond MAX: torchrun's
+    redundancy list), ``waiting`` (members that arrived after the world formed with fewer
+    than MAX nodes: compatible mode restarts to admit them), ``generation`` (+1 every
+    time a world is formed or swapped: the fencing token), ``opener`` (the member that
+    closes a joining round), ``reason`` and ``failures`` (why the round was opened, and
+    how many rounds were opened because something failed).
+``P/alive/<member>``
+    Attached to the member's lease (TTL ``lease_ttl``, refreshed every
+    ``keep_alive_interval``): the member is alive while this key exists. A SIGKILLed
+    agent's key vanishes when its lease expires; that is how the others notice.
+``P/r<round>/join/<member>``
+    Attached to the lease: "I want to be in round ``round``", with the join time.
+``P/r<round>/store``
+    ``addr:port`` of the workers' store, written by node rank 0's agent, which hosts a
+    fresh store each round.
+``P/r<round>/done/<member>``
+    The exit barrier: this member's workers all succeeded.
+
+One round
+---------
+1. A member reads ``P/state``. No state, or a closed round it may not join (broken:
+   a participant's lease is gone, or it is this member's own old round, which it
+   leaves only to restart): it opens round ``r+1`` by compare-and-swap and becomes the
+   round's *opener*. Leftovers of a crashed job are such a broken round, so they never
+   wedge a new job.
+2. In a joining round, a member puts its join key and waits for the state to change.
+3. The opener watches the join keys and closes the round (compare-and-swap) when MAX
+   have joined, or ``last_call_timeout`` after MIN had joined: participants are the
+   first MAX by join time (node ranks in that order), the rest are spares, and the
+   generation goes up. If the opener dies, the member that sees its lease gone takes
+   the role over (compare-and-swap again). Nobody else reads the join keys, so a
+   member's requests do not grow with the number of members.
+4. A member that finds a healthy closed round it is not in adds itself to
+   ``waiting`` (fewer than MAX nodes: the agents restart to admit it) or to ``spares``.
+
+While a world runs, each member watches ``P/state`` and ``P/alive/``: a newer round, a
+reported failure, a lost participant or a waiting member is a *world change*, pushed
+to the agent through a pipe it can ``select`` on. Every write that changes the state is
+a compare-and-swap against the version read, and every round-scoped write checks the
+round, so a stale agent from an old round cannot change the current one.
+
+Time: the close deadline is measured by the opener's own monotonic clock; the only
+wall-clock value (join time) just orders members.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from rendezvous.api import RendezvousError
+from rendezvous.kv import KV, KVError
+
+logger = logging.getLogger(__name__)
+
+# Minimum seconds between two reads of a round's join keys by its opener.
+_JOIN_READ_INTERVAL = 0.05
+
+# Kinds of world change (what the agent does about them).
+CHANGE_FAILURE = "failure"        # a member's workers failed: restart, counted
+CHANGE_LOST = "lost"              # a participant's lease expired: restart, counted
+CHANGE_WAITING = "waiting"        # a new member waits to be admitted: restart, not counted
+CHANGE_ROUND = "round"            # a newer round was opened for another reason
+CHANGE_COMPLETE = "complete"      # the job finished (the exit barrier passed)
+
+
+@dataclass
+class Timeouts:
+    """torchrun's rendezvous settings, in seconds (``--rdzv-conf``)."""
+
+    join_timeout: float = 600.0
+    last_call_timeout: float = 30.0
+    close_timeout: float = 30.0
+    keep_alive_interval: float = 5.0
+    keep_alive_max_attempt: int = 3
+    heartbeat_timeout: float = 30.0
+    read_timeout: float = 60.0
+    lease_ttl: float = 30.0
+    exit_barrier_timeout: float = 300.0
+
+
+@dataclass(frozen=True)
+class Member:
+    id: str
+    addr: str
+    local_world_size: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "addr": self.addr, "lws": self.local_world_size}
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> "Member":
+        return Member(d["id"], d["addr"], int(d["lws"]))
+
+
+@dataclass
+class World:
+    """A closed round as one member sees it."""
+
+    round: int
+    generation: int
+    participants: list[Member]
+    spares: list[Member] = field(default_factory=list)
+    me: str = ""
+    failures: int = 0  # the state's failure count when this world formed
+
+    @property
+    def node_rank(self) -> int:
+        return [m.id for m in self.participants].index(self.me)
+
+    @property
+    def rank_offset(self) -> int:
+        return sum(m.local_world_size for m in self.participants[: self.node_rank])
+
+    @property
+    def world_size(self) -> int:
+        return sum(m.local_world_size for m in self.participants)
+
+
+@dataclass
+class WorldChange:
+    kind: str
+    detail: str
+
+    @property
+    def counts_as_failure(self) -> bool:
+        return self.kind in (CHANGE_FAILURE, CHANGE_LOST)
+
+
+def new_member_id(addr: str) -> str:
+    return f"{addr}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+class Membership:
+    """One member's side of the protocol.
+
+    Args:
+        kv: the backend.
+        prefix: the key prefix (``etcd_prefix``), without the run id.
+        run_id: the job id.
+        min_nodes, max_nodes: ``--nnodes MIN:MAX``.
+        addr: this member's address as the others reach it.
+        timeouts: ``--rdzv-conf`` settings.
+        safety_poll: seconds between re-reads while joining when no watch event came
+            (watches only make the protocol faster; this bounds how long a lost event
+            can hide a change).
+        monitor_poll: the same for a running world. Longer: each re-read fetches the
+            state and the liveness keys, O(members) each, so frequent polls by every
+            member would cost O(members^2); etcd's watches do not lose events, and an
+            emulated (c10d) watch polls anyway.
+    """
+
+    def __init__(self, kv: KV, prefix: str, run_id: str, min_nodes: int, max_nodes: int,
+                 addr: str, timeouts: Timeouts | None = None,
+                 safety_poll: float = 5.0, monitor_poll: float = 30.0) -> None:
+        self.kv = kv
+        self.run_id = run_id
+        self.min_nodes, self.max_nodes = min_nodes, max_nodes
+        self.addr = addr
+        self.t = timeouts or Timeouts()
+        self.safety_poll = safety_poll
+        self.monitor_poll = max(monitor_poll, safety_poll)
+        self.id = new_member_id(addr)
+        self.p = f"{prefix.rstrip('/')}/{run_id}/"
+        self._state_key = self.p + "state"
+        self._lease: Any = None
+        self._local_world_size = 1
+        self._closed = threading.Event()
+        self._wake = threading.Event()  # set by watches: "look again"
+        self._cancels: list[Callable[[], None]] = []
+        self._join_watch: tuple[int, Callable[[], None]] | None = None
+        self._alive_watch: Callable[[], None] | None = None
+        self._keepalive: threading.Thread | None = None
+        self._lease_lost = threading.Event()
+        self.world: World | None = None
+        # World-change notification for the agent's select loop.
+        self._pipe_r, self._pipe_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._change: WorldChange | None = None
+        self._change_lock = threading.Lock()
+        self._monitor: threading.Thread | None = None
+        self._monitor_round = -1
+
+    # ------------------------------------------------------------------ liveness
+
+    def _ensure_alive(self, local_world_size: int) -> None:
+        """Grant the lease and put the liveness key (once; again after a lost lease)."""
+        self._local_world_size = local_world_size
+        if self._lease is not None and not self._lease_lost.is_set():
+            return
+        self._lease_lost.clear()
+        self._lease = self.kv.lease_grant(self.t.lease_ttl)
+        self.kv.put(self._alive_key(self.id), json.dumps(self._me().to_json()), self._lease)
+        if self._keepalive is None:
+            self._keepalive = threading.Thread(target=self._keep_alive, name="tp-rdzv-keepalive",
+                                               daemon=True)
+            self._keepalive.start()
+        if not self._cancels:
+            # Only the state: watching every member's liveness key while joining would
+            # wake each member once per joiner. The running world watches them (monitor).
+            self._cancels.append(self.kv.watch_prefix(self._state_key, self._wake.set))
+
+    def _keep_alive(self) -> None:
+        failures = 0
+        while not self._closed.wait(self.t.keep_alive_interval):
+            lease = self._lease
+            try:
+                ok = self.kv.lease_keepalive(lease)
+                failures = 0
+            except KVError as e:
+                failures += 1
+                logger.warning("rendezvous keep-alive failed (%s/%s): %s", failures,
+                               self.t.keep_alive_max_attempt, e)
+                ok = failures < self.t.keep_alive_max_attempt
+            if not ok and not self._closed.is_set():
+                # The others have (or will have) counted this member as dead; it must
+                # rejoin as a new one. The monitor turns this into a world change.
+                logger.error("this agent's rendezvous lease expired")
+                self._lease_lost.set()
+                self._wake.set()
+                failures = 0
+
+    def _alive_key(self, member: str) -> str:
+        return f"{self.p}alive/{member}"
+
+    def _me(self) -> Member:
+        return Member(self.id, self.addr, self._local_world_size)
+
+    def alive_members(self) -> set[str]:
+        n = len(self.p + "alive/")
+        return {k[n:] for k in self.kv.get_prefix(self.p + "alive/")}
+
+    # ------------------------------------------------------------------ state
+
+    def read_state(self) -> tuple[dict[str, Any] | None, Any]:
+        raw, version = self.kv.get(self._state_key)
+        return (json.loads(raw) if raw is not None else None), version
+
+    def _write_state(self, version: Any, state: dict[str, Any]) -> bool:
+        state["v"] = state.get("v", 0) + 1  # values never repeat: CAS on a value is safe
+        return self.kv.cas(self._state_key, version, json.dumps(state))
+
+    def _open_round(self, state: dict[str, Any] | None, version: Any, reason: str,
+                    failure: bool) -> bool:
+        old = state or {"round": -1, "generation": 0, "failures": 0, "v": 0}
+        new = {
+            "v": old.get("v", 0), "round": old["round"] + 1, "phase": "joining",
+            "participants": [], "spares": [], "waiting": [], "opener": self.id,
+            "generation": old.get("generation", 0), "reason": reason,
+            "failures": old.get("failures", 0) + (1 if failure else 0),
+        }
+        ok = self._write_state(version, new)
+        if ok:
+            logger.info("opened rendezvous round %s of %s (%s)", new["round"], self.run_id, reason)
+        return ok
+
+    # ------------------------------------------------------------------ joining
+
+    def join(self, local_world_size: int) -> World:
+        """Take part in the next round and return the world it formed.
+
+        Raises:
+            RendezvousError: no world within ``join_timeout``, the job is complete, or
+                the backend fails.
+        """
+        try:
+            return self._join(local_world_size)
+        except KVError as e:
+            raise RendezvousError(str(e)) from None
+
+    def _join(self, local_world_size: int) -> World:
+        self._ensure_alive(local_world_size)
+        self._stop_monitor()
+        last_round = self.world.round if self.world is not None else -1
+        self.world = None
+        deadline = time.monotonic() + self.t.join_timeout
+        joined_round = -1
+        spare = False
+        min_seen_at: float | None = None  # opener: when MIN members had joined
+        next_opener_check = 0.0
+        last_join_read = 0.0
+        while True:
+            if self._lease_lost.is_set():
+                self._ensure_alive(local_world_size)
+                joined_round = -1
+            self._wake.clear()
+            state, version = self.read_state()
+            phase = state["phase"] if state else None
+            if state is None:
+                self._open_round(None, None, "first round", False)
+                continue
+            rnd = state["round"]
+            if phase == "complete":
+                raise RendezvousError(
+                    f"rendezvous {self.run_id!r} is closed: the job already finished "
+                    "(use a new --rdzv-id for a new job)")
+            if phase == "closed":
+                ids = [m["id"] for m in state["participants"]]
+                if self.id in ids and rnd > last_round:
+                    self.world = World(rnd, state["generation"],
+                                       [Member.from_json(m) for m in state["participants"]],
+                                       [Member.from_json(m) for m in state.get("spares", [])],
+                                       self.id, state.get("failures", 0))
+                    self._unwatch_joins()
+                    return self.world
+                if self.id in ids:
+                    # Our own old round: we are here to restart it.
+                    self._open_round(state, version, f"restart requested by {self.id}", False)
+                    continue
+                alive = self.alive_members()
+                dead = [i for i in ids if i not in alive]
+                if dead:
+                    why = f"node {dead[0]} left (its lease expired)"
+                    self._open_round(state, version, why, True)
+                    continue
+                # A healthy world we are not in: wait (and ask to be admitted).
+                listed = {m["id"] for m in state.get("waiting", []) + state.get("spares", [])}
+                if self.id not in listed:
+                    key = "waiting" if len(ids) < self.max_nodes else "spares"
+                    state[key] = state.get(key, []) + [self._me().to_json()]
+                    if self._write_state(version, state):
+                        spare = key == "spares"
+                        logger.info("rendezvous round %s already formed; %s", rnd,
+                                    "waiting to be admitted" if key == "waiting"
+                                    else "kept as a spare node")
+                    continue
+                spare = spare or self.id in {m["id"] for m in state.get("spares", [])}
+                self._wait(deadline, spare, state)
+                continue
+            # phase == "joining"
+            if joined_round != rnd:
+                self.kv.put(self._join_key(rnd, self.id),
+                            json.dumps({**self._me().to_json(), "t": time.time()}), self._lease)
+                joined_round = rnd
+                min_seen_at = None
+                next_opener_check = 0.0
+                spare = False
+            opener = state.get("opener")
+            if opener != self.id and time.monotonic() >= next_opener_check:
+                # Rate-limited: every member looking at every wake-up would make a
+                # member's requests grow with the number of members.
+                next_opener_check = time.monotonic() + self.safety_poll
+                if self.kv.get(self._alive_key(opener))[0] is None:
+                    state["opener"] = self.id  # its lease is gone: take the round over
+                    self._write_state(version, state)
+                    continue
+            if opener == self.id:
+                self._watch_joins(rnd)
+                # Coalesce a burst of joins into one read: the opener is the only member
+                # that reads the join keys, and N joins must not cost it N reads.
+                time.sleep(max(0.0, last_join_read + _JOIN_READ_INTERVAL - time.monotonic()))
+                last_join_read = time.monotonic()
+                joiners = self._joiners(rnd)
+                if len(joiners) >= self.min_nodes and min_seen_at is None:
+                    min_seen_at = time.monotonic()
+                full = len(joiners) >= self.max_nodes
+                last_call_over = (min_seen_at is not None and
+                                  time.monotonic() - min_seen_at >= self.t.last_call_timeout)
+                if full or last_call_over:
+                    self._close(state, version, joiners)
+                    continue
+                timeout = self.t.last_call_timeout if min_seen_at is None else \
+                    max(0.0, min_seen_at + self.t.last_call_timeout - time.monotonic())
+                self._wait(deadline, False, state, timeout, count=len(joiners))
+                continue
+            self._wait(deadline, False, state)
+
+    def _watch_joins(self, rnd: int) -> None:
+        if self._join_watch is not None and self._join_watch[0] == rnd:
+            return
+        self._unwatch_joins()
+        self._join_watch = (rnd, self.kv.watch_prefix(f"{self.p}r{rnd}/join/", self._wake.set))
+
+    def _unwatch_joins(self) -> None:
+        if self._join_watch is not None:
+            self._join_watch[1]()
+            self._join_watch = None
+
+    def _join_key(self, rnd: int, member: str) -> str:
+        return f"{self.p}r{rnd}/join/{member}"
+
+    def _joiners(self, rnd: int) -> list[Member]:
+        items = self.kv.get_prefix(f"{self.p}r{rnd}/join/")
+        joined = sorted((json.loads(v) for v in items.values()), key=lambda d: (d["t"], d["id"]))
+        return [Member.from_json(d) for d in joined]
+
+    def _close(self, state: dict[str, Any], version: Any, joiners: list[Member]) -> None:
+        state.update(phase="closed",
+                     participants=[m.to_json() for m in joiners[: self.max_nodes]],
+                     spares=[m.to_json() for m in joiners[self.max_nodes:]],
+                     waiting=[], generation=state.get("generation", 0) + 1)
+        if self._write_state(version, state):
+            logger.info("rendezvous round %s closed with %s nodes (%s spare)", state["round"],
+                        len(state["participants"]), len(state["spares"]))
+
+    def _wait(self, deadline: float, spare: bool, state: dict[str, Any],
+              timeout: float | None = None, count: int | None = None) -> None:
+        """Sleep until a watch fires, ``timeout`` passes, or the join deadline."""
+        now = time.monotonic()
+        if not spare and now >= deadline:
+            joined = f"{count} of " if count is not None else ""
+            raise RendezvousError(
+                f"rendezvous {self.run_id!r} timed out after {self.t.join_timeout:g}s "
+                f"(join_timeout): {joined}the {self.min_nodes} node(s) needed have joined "
+                f"round {state['round']}")
+        limit = self.safety_poll if timeout is None else min(timeout, self.safety_poll)
+        if not spare:
+            limit = min(limit, max(0.0, deadline - now))
+        self._wake.wait(max(limit, 0.01))
+
+    # ------------------------------------------------------------------ the running world
+
+    def start_monitor(self) -> None:
+        """Watch the formed world and signal :attr:`fd` on a change."""
+        assert self.world is not None
+        with self._change_lock:
+            self._change = None
+        self._drain()
+        self._monitor_round = self.world.round
+        if self._alive_watch is None:
+            self._alive_watch = self.kv.watch_prefix(self.p + "alive/", self._wake.set)
+        self._monitor = threading.Thread(target=self._watch_world, args=(self.world,),
+                                         name="tp-rdzv-monitor", daemon=True)
+        self._monitor.start()
+
+    def _stop_monitor(self) -> None:
+        self._monitor_round = -1
+        self._wake.set()
+        if self._alive_watch is not None:
+            self._alive_watch()
+            self._alive_watch = None
+        if self._monitor is not None and self._monitor is not threading.current_thread():
+            self._monitor.join(timeout=5)
+        self._monitor = None
+
+    def _watch_world(self, world: World) -> None:
+        ids = {m.id for m in world.participants}
+        errors = 0
+        while not self._closed.is_set() and self._monitor_round == world.round:
+            self._wake.clear()
+            try:
+                change = self.check_world(world, ids)
+                errors = 0
+            except KVError as e:
+                errors += 1
+                logger.warning("rendezvous (%s/%s): %s", errors, self.t.keep_alive_max_attempt, e)
+                # A backend that stays unreachable (a c10d host that died) is a lost
+                # world: waiting on it would hang the job.
+                change = WorldChange(CHANGE_LOST, f"the rendezvous backend is unreachable: {e}") \
+                    if errors >= self.t.keep_alive_max_attempt else None
+            if change is not None and self._monitor_round == world.round:
+                self._signal(change)
+                return
+            self._wake.wait(self.monitor_poll if errors == 0 else self.safety_poll)
+
+    def check_world(self, world: World, ids: set[str] | None = None) -> WorldChange | None:
+        """What changed since ``world`` formed, or None."""
+        ids = ids if ids is not None else {m.id for m in world.participants}
+        if self._lease_lost.is_set():
+            return WorldChange(CHANGE_LOST, "this node's rendezvous lease expired")
+        state, _ = self.read_state()
+        if state is None:
+            return WorldChange(CHANGE_LOST, "the rendezvous state disappeared")
+        if state["round"] != world.round:
+            kind = CHANGE_FAILURE if state.get("failures", 0) > self._failures_at(world) \
+                else CHANGE_ROUND
+            return WorldChange(kind, state.get("reason", "a new round"))
+        if state["phase"] == "complete":
+            return WorldChange(CHANGE_COMPLETE, "the job finished")
+        if state.get("failed"):
+            return WorldChange(CHANGE_FAILURE, state["failed"])
+        if state.get("waiting"):
+            return WorldChange(CHANGE_WAITING, f"node {state['waiting'][0]['id']} is waiting "
+                                               "to join")
+        dead = sorted(ids - self.alive_members())
+        if dead:
+            return WorldChange(CHANGE_LOST, f"node {dead[0]} left (its lease expired)")
+        return None
+
+    def _failures_at(self, world: World) -> int:
+        return world.failures
+
+    def _signal(self, change: WorldChange) -> None:
+        with self._change_lock:
+            if self._change is None:
+                self._change = change
+        try:
+            os.write(self._pipe_w, b"!")
+        except BlockingIOError:
+            pass
+
+    def _drain(self) -> None:
+        try:
+            while os.read(self._pipe_r, 512):
+                pass
+        except BlockingIOError:
+            pass
+
+    @property
+    def fd(self) -> int:
+        """Readable when the world changed; see :meth:`world_change`."""
+        return self._pipe_r
+
+    def world_change(self) -> WorldChange | None:
+        with self._change_lock:
+            return self._change
+
+    def report_failure(self, detail: str) -> bool:
+        """This member's workers failed: mark the current round failed, so every
+        member restarts (or stops). False if the round is not ours any more (stale)."""
+        if self.world is None:
+            return False
+        try:
+            while True:
+                state, version = self.read_state()
+                if state is None or state["round"] != self.world.round or \
+                        state["phase"] != "closed":
+                    return False
+                if state.get("failed"):
+                    return True
+                state["failed"] = f"node {self.id}: {detail}"
+                state["failures"] = state.get("failures", 0) + 1
+                if self._write_state(version, state):
+                    return True
+        except KVError as e:
+            logger.warning("rendezvous: cannot report the failure: %s", e)
+            return False
+
+    def exit_barrier(self) -> WorldChange | None:
+        """This member's workers succeeded: wait until every participant's did.
+
+        Returns None when all are done (the round is then marked complete), or the
+        change that ended the wait (a failure, a lost node). After
+        ``exit_barrier_timeout`` it gives up waiting and returns None, as torchrun does.
+        """
+        world = self.world
+        if world is None:
+            return None
+        self._stop_monitor()
+        ids = {m.id for m in world.participants}
+        done_prefix = f"{self.p}r{world.round}/done/"
+        try:
+            self.kv.put(done_prefix + self.id, "1")
+            cancel = self.kv.watch_prefix(done_prefix, self._wake.set)
+            try:
+                deadline = time.monotonic() + self.t.exit_barrier_timeout
+                while True:
+                    self._wake.clear()
+                    done = {k[len(done_prefix):] for k in self.kv.get_prefix(done_prefix)}
+                    if ids <= done:
+                        self._mark_complete(world)
+                        self.kv.put(f"{self.p}r{world.round}/left/{self.id}", "1")
+                        return None
+                    change = self.check_world(world, ids - done)
+                    if change is not None and change.kind != CHANGE_WAITING:
+                        if change.kind == CHANGE_COMPLETE:
+                            return None
+                        return change
+                    if time.monotonic() > deadline:
+                        logger.warning("exit barrier timed out after %ss; %s node(s) not done",
+                                       self.t.exit_barrier_timeout, len(ids - done))
+                        return None
+                    self._wake.wait(min(self.safety_poll, 1.0))
+            finally:
+                cancel()
+        except KVError as e:
+            logger.warning("rendezvous exit barrier: %s", e)
+            return None
+
+    def _mark_complete(self, world: World) -> None:
+        state, version = self.read_state()
+        if state is not None and state["round"] == world.round and state["phase"] == "closed":
+            state["phase"] = "complete"
+            self._write_state(version, state)
+
+    # ------------------------------------------------------------------ hot-spare hooks
+
+    @property
+    def generation(self) -> int:
+        """The generation of the last world this member saw."""
+        return self.world.generation if self.world is not None else 0
+
+    def redundancy_list(self) -> list[Member]:
+        """Members beyond MAX (spare nodes), as the state lists them now."""
+        state, _ = self.read_state()
+        return [Member.from_json(m) for m in (state or {}).get("spares", [])]
+
+    def compare_and_swap_generation(self, expected: int, participants: list[Member],
+                                    spares: list[Member] | None = None) -> bool:
+        """Publish a new world as generation ``expected + 1`` if the current one is
+        ``expected`` (the fencing token); False if another writer got there first."""
+        try:
+            state, version = self.read_state()
+            if state is None or state.get("generation") != expected or \
+                    state["phase"] != "closed":
+                return False
+            state.update(participants=[m.to_json() for m in participants],
+                         generation=expected + 1)
+            if spares is not None:
+                state["spares"] = [m.to_json() for m in spares]
+            return self._write_state(version, state)
+        except KVError as e:
+            logger.warning("rendezvous: generation swap failed: %s", e)
+            return False
+
+    # ------------------------------------------------------------------ round-scoped keys
+
+    def put_round_key(self, name: str, value: str) -> None:
+        assert self.world is not None
+        self.kv.put(f"{self.p}r{self.world.round}/{name}", value)
+
+    def wait_round_key(self, name: str, timeout: float) -> str:
+        """The value of a round-scoped key, waiting for it to appear."""
+        assert self.world is not None
+        key = f"{self.p}r{self.world.round}/{name}"
+        deadline = time.monotonic() + timeout
+        cancel = self.kv.watch_prefix(key, self._wake.set)
+        try:
+            delay = 0.02
+            while True:
+                self._wake.clear()
+                value, _ = self.kv.get(key)
+                if value is not None:
+                    return value
+                state, _ = self.read_state()
+                if state is None or state["round"] != self.world.round:
+                    raise RendezvousError("the round moved on before node 0 published its store")
+                if time.monotonic() > deadline:
+                    raise RendezvousError(
+                        f"node 0 did not publish the workers' store within {timeout:g}s")
+                self._wake.wait(delay)
+                delay = min(delay * 2, 0.5)
+        finally:
+            cancel()
+
+    # ------------------------------------------------------------------ leaving
+
+    def _linger(self, world: World) -> None:
+        """This process hosts the store (c10d): keep it up until every participant has
+        left the exit barrier or is gone, at most ``close_timeout``, so that nobody's
+        last read meets a closed store."""
+        prefix = f"{self.p}r{world.round}/left/"
+        ids = {m.id for m in world.participants} - {self.id}
+        deadline = time.monotonic() + self.t.close_timeout
+        try:
+            while time.monotonic() < deadline:
+                left = {k[len(prefix):] for k in self.kv.get_prefix(prefix)}
+                if not (ids - left) & self.alive_members():
+                    return
+                time.sleep(0.1)
+        except KVError:
+            return
+
+    def close(self) -> None:
+        """Leave: revoke the lease (the others see this member gone at once)."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._wake.set()
+        self._stop_monitor()
+        self._unwatch_joins()
+        if getattr(self.kv, "hosting", False) and self.world is not None:
+            self._linger(self.world)
+        for cancel in self._cancels:
+            cancel()
+        self._cancels = []
+        if self._lease is not None:
+            self.kv.lease_revoke(self._lease)
+        self.kv.close()
+        for fd in (self._pipe_r, self._pipe_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def local_address(explicit: str | None) -> str:
+    return explicit or socket.getfqdn()
