@@ -1,7 +1,7 @@
 """How the etcd rendezvous scales: 64, 256, 1,024 simulated agents on one etcd.
 
     python benchmarks/rendezvous_scale.py [--agents 64 256 1024] [--procs 4]
-                                          [--endpoint host:port] [--lease-ttl 3]
+                                          [--endpoint host:port] [--lease-ttl 30]
 
 Each simulated agent is a thread running :class:`rendezvous.membership.Membership`
 (membership only: no workers, no workers' store), spread over ``--procs`` processes
@@ -148,8 +148,9 @@ def main() -> None:
     p.add_argument("--agents", type=int, nargs="+", default=[64, 256, 1024])
     p.add_argument("--procs", type=int, default=4)
     p.add_argument("--endpoint", default=None, help="an etcd to use (default: start one)")
-    p.add_argument("--lease-ttl", type=float, default=10.0,
-                   help="agents' lease TTL; keep-alive every TTL/4 (default 10)")
+    p.add_argument("--lease-ttl", type=float, default=30.0,
+                   help="agents' lease TTL; keep-alive every TTL/4 (default 30, torchrun's "
+                   "heartbeat_timeout)")
     args = p.parse_args()
 
     server = None

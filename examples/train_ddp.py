@@ -34,6 +34,19 @@ def checksum(model: nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
+def train(model: nn.Module, opt: torch.optim.Optimizer, args: argparse.Namespace) -> None:
+    ddp = DDP(model)
+    rank = dist.get_rank()
+    for step in range(args.steps):
+        x, y = batch(step, rank)
+        loss = nn.functional.mse_loss(ddp(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if rank == 0 and (step % 50 == 0 or step == args.steps - 1):
+            print(f"step {step:4d}  loss {loss.item():.4f}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=200)
@@ -41,22 +54,14 @@ def main() -> None:
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = DDP(nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1)))
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    for step in range(args.steps):
-        x, y = batch(step, rank)
-        loss = nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if rank == 0 and (step % 50 == 0 or step == args.steps - 1):
-            print(f"step {step:4d}  loss {loss.item():.4f}", flush=True)
-    if rank == 0:
-        print(f"done: {args.steps} steps on {world} ranks "
+    train(model, opt, args)
+    if dist.get_rank() == 0:
+        print(f"done: {args.steps} steps on {dist.get_world_size()} ranks "
               f"(restart {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}), "
-              f"params {checksum(model.module)}", flush=True)
+              f"params {checksum(model)}", flush=True)
     dist.destroy_process_group()
 
 

@@ -4,6 +4,12 @@ Backends register a factory under one or more names; :func:`create_handler` pick
 one a :class:`~tp_launch.config.LaunchConfig` asks for. A single-node job always runs
 on the embedded default (:mod:`rendezvous.static`), whatever backend was named for it,
 exactly as torchrun's standalone does: nothing external is needed.
+
+Multi-node backends: ``etcd`` (also ``etcd-v2`` and ``etcd-v3``: all speak the etcd v3
+API, :mod:`rendezvous.etcd`) and ``c10d`` (a TCPStore on the endpoint host,
+:mod:`rendezvous.c10d`), both running the one protocol of :mod:`rendezvous.membership`
+through :class:`rendezvous.handler.MembershipRendezvous`; ``static`` keeps the world
+fixed by the command line.
 """
 
 from __future__ import annotations

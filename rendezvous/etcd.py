@@ -167,6 +167,11 @@ class EtcdKV(KV):
         items = self._call("get", lambda: list(self._client.get_prefix(prefix)))
         return {meta.key.decode(): value.decode() for value, meta in items}
 
+    def count_prefix(self, prefix: str) -> int:
+        response = self._call("count", self._client.get_prefix_response, prefix,
+                              count_only=True)
+        return int(response.count)
+
     def delete_prefix(self, prefix: str) -> None:
         self._call("delete", self._client.delete_prefix, prefix)
 

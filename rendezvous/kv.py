@@ -6,7 +6,7 @@ written once and the backends stay thin:
 - ``get`` a key with its *version* (an opaque token that changes on every write),
 - ``cas``: write a key only if its version is still the one read (the fencing step),
 - ``put`` a key, optionally attached to a *lease*,
-- ``get_prefix``: every key under a prefix,
+- ``get_prefix``: every key under a prefix (``count_prefix``: just how many),
 - leases: ``lease_grant`` / ``lease_keepalive`` / ``lease_revoke``; keys attached to a
   lease vanish when it expires (a dead agent's liveness key),
 - ``watch_prefix``: a callback on any change under a prefix (may be emulated by polling:
@@ -50,6 +50,10 @@ class KV(abc.ABC):
     @abc.abstractmethod
     def get_prefix(self, prefix: str) -> dict[str, str]:
         """Every live key under ``prefix`` with its value."""
+
+    def count_prefix(self, prefix: str) -> int:
+        """How many live keys are under ``prefix`` (backends may do it without the data)."""
+        return len(self.get_prefix(prefix))
 
     @abc.abstractmethod
     def delete_prefix(self, prefix: str) -> None:
@@ -107,6 +111,10 @@ class CountingKV(KV):
     def get_prefix(self, prefix: str) -> dict[str, str]:
         self._count()
         return self.inner.get_prefix(prefix)
+
+    def count_prefix(self, prefix: str) -> int:
+        self._count()
+        return self.inner.count_prefix(prefix)
 
     def delete_prefix(self, prefix: str) -> None:
         self._count()

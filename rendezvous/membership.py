@@ -368,18 +368,22 @@ class Membership:
                 # that reads the join keys, and N joins must not cost it N reads.
                 time.sleep(max(0.0, last_join_read + _JOIN_READ_INTERVAL - time.monotonic()))
                 last_join_read = time.monotonic()
-                joiners = self._joiners(rnd)
-                if len(joiners) >= self.min_nodes and min_seen_at is None:
+                # Only the count until the round can close: reading every join record
+                # at every wake-up would cost the opener O(members^2).
+                count = self.kv.count_prefix(f"{self.p}r{rnd}/join/")
+                if count >= self.min_nodes and min_seen_at is None:
                     min_seen_at = time.monotonic()
-                full = len(joiners) >= self.max_nodes
+                full = count >= self.max_nodes
                 last_call_over = (min_seen_at is not None and
                                   time.monotonic() - min_seen_at >= self.t.last_call_timeout)
                 if full or last_call_over:
-                    self._close(state, version, joiners)
+                    joiners = self._joiners(rnd)
+                    if len(joiners) >= self.min_nodes:  # a joiner may have left since
+                        self._close(state, version, joiners)
                     continue
                 timeout = self.t.last_call_timeout if min_seen_at is None else \
                     max(0.0, min_seen_at + self.t.last_call_timeout - time.monotonic())
-                self._wait(deadline, False, state, timeout, count=len(joiners))
+                self._wait(deadline, False, state, timeout, count=count)
                 continue
             self._wait(deadline, False, state)
 

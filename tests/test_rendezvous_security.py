@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 import uuid
-from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -107,24 +106,14 @@ def test_password_login_forms_a_world(auth_etcd):
                                connect_timeout=10))
 
 
-@pytest.mark.slow
-def test_two_agents_with_password_from_env(workdir, test_env, auth_etcd):
-    job = Agents(workdir, {**test_env, PASSWORD_ENV: PASSWORD}, "etcd", auth_etcd.endpoint, "2")
-    for node in range(2):
-        job.start(node, conf="user=root,join_timeout=30,last_call_timeout=1,"
-                             "keep_alive_interval=0.5,lease_ttl=3")
-    results = job.finish()
-    assert [rc for rc, _ in results] == [0, 0], results
-    assert PASSWORD not in " ".join(p.args if isinstance(p.args, str) else " ".join(p.args)
-                                    for p in job.procs)
-
-
 @pytest.mark.parametrize("password,mentions", [
     ("wrong", "authentication failed"),
     (None, "requires a login"),
 ])
 def test_bad_or_missing_password_is_one_line_error(workdir, test_env, auth_etcd, password,
                                                    mentions):
+    """tp-run reads the password from TP_RUN_ETCD_PASSWORD (a wrong one reaches etcd and
+    is refused); without one, the first write says that etcd requires a login."""
     env = dict(test_env)
     env.pop(PASSWORD_ENV, None)
     conf = "join_timeout=5,keep_alive_interval=0.5,lease_ttl=3"

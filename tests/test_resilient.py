@@ -8,12 +8,14 @@ bit-identical to a failure-free run of the same script under torchrun.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Iterator
 
 import psutil
 import pytest
@@ -169,45 +171,44 @@ def _wait(cond, what: str, timeout: float = HANG_TIMEOUT) -> None:
         time.sleep(0.05)
 
 
-def test_kill_parked_spare_is_replaced(workdir, test_env, reference):
+@contextlib.contextmanager
+def background(workdir: Path, env: dict[str, str], args: list[str]) -> Iterator[tuple[subprocess.Popen, Path, dict[str, str]]]:
+    """tp-run in the background (killed if the test leaves it running)."""
     out = workdir / "out"
     out.mkdir()
-    env = {**test_env, "OUT": str(out), "OMP_NUM_THREADS": "1"}
-    proc = start_launcher(TP_RUN, ["--nproc-per-node", "4", "--spares", "1", SCRIPT, "--steps",
-                                   str(STEPS), "--step-sleep", "0.4"], env, workdir)
+    env = {**env, "OUT": str(out), "OMP_NUM_THREADS": "1"}
+    proc = start_launcher(TP_RUN, args, env, workdir)
     try:
+        yield proc, out, env
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def test_kill_parked_spare_is_replaced(workdir, test_env, reference):
+    with background(workdir, test_env, ["--nproc-per-node", "4", "--spares", "1", SCRIPT,
+                                        "--steps", str(STEPS), "--step-sleep", "0.4"]) as (proc, out, _):
         _wait(lambda: _parked(proc) >= 1, "a spare parks")
         (spare,) = _spares(test_env["TP_TEST_MARKER"])
         spare.kill()
         _wait(lambda: any(p.pid != spare.pid for p in _spares(test_env["TP_TEST_MARKER"]))
               and _parked(proc) >= 1, "a new spare parks")
         stdout, stderr = proc.communicate(timeout=HANG_TIMEOUT)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     assert proc.returncode == 0, stderr[-3000:]
     assert "tp-run: failure:" not in stderr  # no rank was touched
     check_completed(subprocess.CompletedProcess([], 0, stdout, stderr), out, reference, set())
 
 
 def test_planned_migration_recomputes_no_step(workdir, test_env, reference):
-    out = workdir / "out"
-    out.mkdir()
-    env = {**test_env, "OUT": str(out), "OMP_NUM_THREADS": "1"}
-    proc = start_launcher(TP_RUN, ["--nproc-per-node", "4", "--spares", "1", SCRIPT, "--steps",
-                                   str(STEPS), "--step-sleep", "0.2"], env, workdir)
-    try:
+    with background(workdir, test_env, ["--nproc-per-node", "4", "--spares", "1", SCRIPT,
+                                        "--steps", str(STEPS), "--step-sleep", "0.2"]) as (proc, out, env):
         _wait(lambda: _parked(proc) >= 1 and len(entries(out)) == 4, "ranks train, a spare parks")
         old_pid = next(pid for pid, e in entries(out).items() if e[0][0] == 1)
         cmd = run_launcher(TP_RUN, ["migrate", "--rank", "1", "--agent-pid", str(proc.pid)],
                            env, workdir)
         assert cmd.returncode == 0 and "ok: rank 1" in cmd.stdout, cmd.stdout + cmd.stderr
         stdout, stderr = proc.communicate(timeout=HANG_TIMEOUT)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     assert proc.returncode == 0, stderr[-3000:]
     results = finals(out)
     assert {r["checksum"] for r in results} == {reference}
@@ -275,19 +276,11 @@ def test_script_not_using_the_api_runs_as_under_torchrun(workdir, test_env):
 
 
 def test_sigkill_to_agent_leaves_no_rank_or_spare(workdir, test_env):
-    out = workdir / "out"
-    out.mkdir()
-    env = {**test_env, "OUT": str(out), "OMP_NUM_THREADS": "1"}
-    proc = start_launcher(TP_RUN, ["--nproc-per-node", "2", "--spares", "1", SCRIPT, "--steps",
-                                   "1000", "--step-sleep", "0.1"], env, workdir)
-    try:
+    with background(workdir, test_env, ["--nproc-per-node", "2", "--spares", "1", SCRIPT,
+                                        "--steps", "1000", "--step-sleep", "0.1"]) as (proc, _, _):
         _wait(lambda: _parked(proc) >= 1, "a spare parks")
         proc.kill()
         proc.communicate(timeout=HANG_TIMEOUT)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     # The test_env fixture's leak check fails the test if any rank or spare survived.
 
 

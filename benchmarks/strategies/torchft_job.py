@@ -47,6 +47,8 @@ def main() -> None:
     p.add_argument("--replicas", type=int, required=True)
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--step-sleep", type=float, default=0.0,
+                   help="seconds after each step (the smoke test's tiny model only)")
     p.add_argument("--timeout", type=float, default=10.0,
                    help="torchft collective / RPC timeout (s): bounds a survivor's wait on a dead peer")
     args = p.parse_args()
@@ -91,6 +93,8 @@ def main() -> None:
             progress.write(f"{args.replica_id} {manager.current_step()} {time.time():.6f}\n")
         else:
             attempts.write(f"{args.replica_id} {before} {time.time():.6f}\n")
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
     if args.replica_id == 0:
         with open(os.path.join(out, "final.json"), "w") as f:
             json.dump({"step": manager.current_step(), "checksum": checksum(model),

@@ -25,6 +25,7 @@ with the committed step and the sha256 of the parameters.
 from __future__ import annotations
 
 import argparse
+import datetime
 import hashlib
 import json
 import logging
@@ -77,6 +78,10 @@ def main() -> None:
     p.add_argument("--resilient", action="store_true")
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--init-timeout", type=float, default=60.0,
+                   help="process-group timeout (s) of the non-resilient path")
+    p.add_argument("--step-sleep", type=float, default=0.0,
+                   help="seconds after each step (the smoke test's tiny model only)")
     args = p.parse_args()
     out = os.environ["BENCH_DIR"]
     ckpt = os.path.join(out, "ckpt.pt")
@@ -102,6 +107,8 @@ def main() -> None:
             opt.step()
             # Reported after the commit: the harness's kill lands after this step.
             progress.write(f"{rank} {step + 1} {time.time():.6f}\n")
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
             if args.ckpt_every and rank == 0 and (step + 1) % args.ckpt_every == 0:
                 tmp = ckpt + ".tmp"
                 torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
@@ -116,7 +123,11 @@ def main() -> None:
         resilient.run(lambda s: train(s.step), state)
         final_step = state.step
     else:
-        dist.init_process_group("gloo")
+        # A bounded timeout: torchrun 2.13 restarts reuse the store, and a restarted
+        # group can then wait forever (default 30 min) in init; 60 s makes that attempt
+        # fail so the launcher retries (the time is counted against the strategy).
+        # (It bounds collectives too: far above any step time here.)
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.init_timeout))
         start = 0
         if args.ckpt_every and os.path.exists(ckpt):
             saved = torch.load(ckpt, weights_only=True)
