@@ -5,6 +5,7 @@ barrier of the attempt) and, for the death, ``$BENCH_DIR/death`` (time.time() ju
 before rank 1 exits 1). Attempts after the first finish cleanly (exit 0).
 """
 
+import datetime
 import os
 import sys
 import time
@@ -23,7 +24,9 @@ def write(name: str, value: float) -> None:
     os.replace(tmp, os.path.join(out, name))
 
 
-dist.init_process_group("gloo")
+# torchrun 2.13's restarts reuse the store and connectFullMesh can hang on a dead
+# attempt's address for gloo's default 30 min: bound it so the launcher retries (counted).
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
 dist.barrier()
 rank = dist.get_rank()
 write(f"barrier_{restart}_{rank}", time.time())

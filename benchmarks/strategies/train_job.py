@@ -93,11 +93,7 @@ def main() -> None:
     def train(start: int) -> None:
         ddp = DDP(model)  # inside: under resilient mode the group is new each time
         if ordered_allreduce_hook is not None:
-            # Wrapped: DDP rejects the hook itself, whose annotations are strings
-            # (``from __future__ import annotations`` in tp_launch/resilient/ddp.py).
-            def hook(pg, bucket):  # noqa: ANN001 - DDP inspects real annotations only
-                return ordered_allreduce_hook(pg, bucket)
-            ddp.register_comm_hook(None, hook)
+            ddp.register_comm_hook(None, ordered_allreduce_hook)
         rank = dist.get_rank()
         for step in range(start, args.steps):
             x, y = batch(step, rank)

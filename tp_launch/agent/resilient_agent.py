@@ -128,6 +128,7 @@ class ResilientAgent(NodeAgent):
         self._waiting: list[int] = []  # dead ranks waiting for a spare (policy wait)
         self._wait_deadline = 0.0
         self._finished: set[int] = set()
+        self._exiting = False
         self._retired: set[int] = set()  # slots of ranks that migrated away
         self._waiting_since = 0.0
         self._first_failure: ProcessFailure | None = None
@@ -286,6 +287,7 @@ class ResilientAgent(NodeAgent):
                 self._recovery.stepped[msg["rank"]] = time.time()
                 self._maybe_report()
             if self._finished >= set(self._world.slot_of):
+                self._exiting = True  # past the exit barrier: nothing left to recover
                 for proc in self._procs.values():
                     self._tell(proc.slot, {"op": "exit"})
         elif op == "migrate":
@@ -333,14 +335,15 @@ class ResilientAgent(NodeAgent):
                 if proc.slot not in self._retired:
                     self._lost_spare(proc)
                 continue  # a retired rank leaving, or a spare: not a failure of the job
-            if proc.worker.returncode == 0 and self._finished >= set(self._world.slot_of):
-                continue  # the normal end, after the exit barrier
+            if proc.worker.returncode == 0 and (self._exiting or not proc.hello):
+                continue  # the normal end: after the exit barrier, or a plain script's
             failures.append(proc)
             dead_ranks.append(rank)
         if not failures:
             return
-        if not self._resilient:
-            # The script does not use tp_launch.resilient: torchrun's way.
+        if not self._resilient or self._exiting:
+            # Not resilient, or training is over (a rank died in the script's epilogue,
+            # after every rank finished): torchrun's way.
             raise StopJob(self._fail([p.worker for p in failures], self._rank_map()), final=False)
         for proc in failures:
             f = self._as_failure(proc)
@@ -358,7 +361,7 @@ class ResilientAgent(NodeAgent):
     def _lost_spare(self, proc: Proc) -> None:
         self._world.unpark(proc.slot)
         self._write_status()
-        if self._finished >= set(self._world.slot_of):
+        if self._exiting:
             return  # the job is ending: spares leave
         if not proc.hello:
             self._spare_failures += 1
