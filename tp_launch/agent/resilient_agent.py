@@ -70,7 +70,6 @@ class Proc:
     worker: WorkerProcess
     logs: RankLogs
     conn: socket.socket | None = None
-    reader: channel.LineReader = field(default_factory=channel.LineReader)
     hello: bool = False
 
 
@@ -150,8 +149,6 @@ class ResilientAgent(NodeAgent):
         except StopJob as e:
             self._no_restart = self._no_restart or e.final
             return e.result
-        except Exception:
-            raise
         finally:
             stop_workers(self.workers, signal.SIGTERM, cfg.shutdown_timeout)
             self._tail.stop()

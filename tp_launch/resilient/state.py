@@ -163,9 +163,6 @@ class State:
         self.extra = meta["extra"]
         self.valid = True
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.snapshot()[1])
-
 
 def _default_device(obj: Any) -> torch.device:
     """Where an object keeps its tensors (an optimizer: its first parameter's device)."""
