@@ -26,7 +26,7 @@ class RendezvousInfo:
 
     Args:
         round: the round number (0 for the first attempt, +1 per restart).
-        node_rank: this node's rank (GROUP_RANK).
+        node_rank: this node's rank (GROUP_RANK); -1 for a spare node (resilient mode).
         nnodes: number of nodes in the world (GROUP_WORLD_SIZE).
         rank_offset: global rank of this node's local rank 0.
         world_size: total number of workers (WORLD_SIZE).

@@ -49,6 +49,11 @@ class MembershipRendezvous(RendezvousHandler):
     def run_id(self) -> str:
         return self.membership.run_id
 
+    def accept_spare_nodes(self) -> None:
+        """Resilient mode: a node beyond the world joins as a spare node (its
+        :class:`~rendezvous.api.RendezvousInfo` has ``node_rank`` -1) instead of waiting."""
+        self.membership.accept_spare = True
+
     def next_rendezvous(self, local_world_size: int) -> RendezvousInfo:
         self._close_store()
         m = self.membership
@@ -66,9 +71,9 @@ class MembershipRendezvous(RendezvousHandler):
         except KVError as e:
             raise RendezvousError(str(e)) from None
         m.start_monitor()
-        logger.info("round %s: node rank %s of %s, generation %s, store %s:%s", world.round,
+        logger.info("round %s: node rank %s of %s, generation %s, store %s:%s%s", world.round,
                     world.node_rank, len(world.participants), world.generation,
-                    world.participants[0].addr, port)
+                    world.participants[0].addr, port, " (spare node)" if world.is_spare else "")
         return RendezvousInfo(
             round=world.round,
             node_rank=world.node_rank,

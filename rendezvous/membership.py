@@ -124,12 +124,19 @@ class World:
     failures: int = 0  # the state's failure count when this world formed
 
     @property
+    def is_spare(self) -> bool:
+        """This member is a spare node of the world (resilient mode), not a participant."""
+        return self.me not in [m.id for m in self.participants]
+
+    @property
     def node_rank(self) -> int:
-        return [m.id for m in self.participants].index(self.me)
+        """This member's node rank; -1 for a spare node."""
+        ids = [m.id for m in self.participants]
+        return ids.index(self.me) if self.me in ids else -1
 
     @property
     def rank_offset(self) -> int:
-        return sum(m.local_world_size for m in self.participants[: self.node_rank])
+        return sum(m.local_world_size for m in self.participants[: max(self.node_rank, 0)])
 
     @property
     def world_size(self) -> int:
@@ -198,6 +205,10 @@ class Membership:
         self._change_lock = threading.Lock()
         self._monitor: threading.Thread | None = None
         self._monitor_round = -1
+        # Resilient mode: a member beyond the world is a spare node (join returns its
+        # world at once), and every change to the world pokes fd (see watch_changes).
+        self.accept_spare = False
+        self._change_watches: list[Callable[[], None]] = []
 
     # ------------------------------------------------------------------ liveness
 
@@ -236,6 +247,7 @@ class Membership:
                 logger.error("this agent's rendezvous lease expired")
                 self._lease_lost.set()
                 self._wake.set()
+                self.poke()
                 failures = 0
 
     def _alive_key(self, member: str) -> str:
@@ -334,7 +346,10 @@ class Membership:
                 # A healthy world we are not in: wait (and ask to be admitted).
                 listed = {m["id"] for m in state.get("waiting", []) + state.get("spares", [])}
                 if self.id not in listed:
-                    key = "waiting" if len(ids) < self.max_nodes else "spares"
+                    # Resilient mode never restarts a running world to admit a node:
+                    # a late node is a spare whatever the world's size.
+                    key = "waiting" if len(ids) < self.max_nodes and not self.accept_spare \
+                        else "spares"
                     state[key] = state.get(key, []) + [self._me().to_json()]
                     if self._write_state(version, state):
                         spare = key == "spares"
@@ -343,6 +358,13 @@ class Membership:
                                     else "kept as a spare node")
                     continue
                 spare = spare or self.id in {m["id"] for m in state.get("spares", [])}
+                if spare and self.accept_spare and rnd > last_round:
+                    self.world = World(rnd, state["generation"],
+                                       [Member.from_json(m) for m in state["participants"]],
+                                       [Member.from_json(m) for m in state.get("spares", [])],
+                                       self.id, state.get("failures", 0))
+                    self._unwatch_joins()
+                    return self.world
                 self._wait(deadline, spare, state)
                 continue
             # phase == "joining"
@@ -527,9 +549,10 @@ class Membership:
         with self._change_lock:
             return self._change
 
-    def report_failure(self, detail: str) -> bool:
+    def report_failure(self, detail: str, final: bool = False) -> bool:
         """This member's workers failed: mark the current round failed, so every
-        member restarts (or stops). False if the round is not ours any more (stale)."""
+        member restarts (or, ``final``, stops). False if the round is not ours any
+        more (stale)."""
         if self.world is None:
             return False
         try:
@@ -541,6 +564,7 @@ class Membership:
                 if state.get("failed"):
                     return True
                 state["failed"] = f"node {self.id}: {detail}"
+                state["final"] = final
                 state["failures"] = state.get("failures", 0) + 1
                 if self._write_state(version, state):
                     return True
@@ -608,22 +632,82 @@ class Membership:
         return [Member.from_json(m) for m in (state or {}).get("spares", [])]
 
     def compare_and_swap_generation(self, expected: int, participants: list[Member],
-                                    spares: list[Member] | None = None) -> bool:
+                                    spares: list[Member] | None = None,
+                                    placement: dict[str, Any] | None = None) -> bool:
         """Publish a new world as generation ``expected + 1`` if the current one is
-        ``expected`` (the fencing token); False if another writer got there first."""
+        ``expected`` (the fencing token); False if another writer got there first.
+
+        ``placement`` (resilient mode: which node holds which rank, the store, the
+        replaced ranks) is stored with it as the state's ``resilient`` document."""
         try:
             state, version = self.read_state()
             if state is None or state.get("generation") != expected or \
-                    state["phase"] != "closed":
+                    state["phase"] != "closed" or \
+                    (self.world is not None and state["round"] != self.world.round):
                 return False
             state.update(participants=[m.to_json() for m in participants],
                          generation=expected + 1)
             if spares is not None:
                 state["spares"] = [m.to_json() for m in spares]
+            if placement is not None:
+                state["resilient"] = placement
             return self._write_state(version, state)
         except KVError as e:
             logger.warning("rendezvous: generation swap failed: %s", e)
             return False
+
+    def set_parked(self, count: int) -> None:
+        """Publish how many spares this member has parked (with its lease: a dead
+        member's count vanishes with it)."""
+        self.kv.put(f"{self.p}parked/{self.id}", str(count), self._lease)
+
+    def parked_counts(self) -> dict[str, int]:
+        n = len(self.p + "parked/")
+        return {k[n:]: int(v) for k, v in self.kv.get_prefix(self.p + "parked/").items()}
+
+    def mark_finished(self, generation: int) -> None:
+        """Resilient exit barrier: this member's ranks finished training in
+        ``generation``."""
+        assert self.world is not None
+        self.kv.put(f"{self.p}r{self.world.round}/finished/{self.id}", str(generation))
+
+    def finished(self) -> dict[str, int]:
+        """member -> the generation in which its ranks finished."""
+        assert self.world is not None
+        prefix = f"{self.p}r{self.world.round}/finished/"
+        return {k[len(prefix):]: int(v) for k, v in self.kv.get_prefix(prefix).items()}
+
+    def mark_complete(self) -> None:
+        """The job is over (every rank finished): spare nodes leave."""
+        if self.world is not None:
+            self._mark_complete(self.world)
+
+    def watch_changes(self) -> None:
+        """Poke :attr:`fd` on every change of the state, of liveness and of the
+        resilient exit barrier (the agent reads what changed itself)."""
+        assert self.world is not None
+        self.stop_watching_changes()
+        for prefix in (self._state_key, self.p + "alive/",
+                       f"{self.p}r{self.world.round}/finished/"):
+            self._change_watches.append(self.kv.watch_prefix(prefix, self.poke))
+
+    def stop_watching_changes(self) -> None:
+        for cancel in self._change_watches:
+            cancel()
+        self._change_watches = []
+
+    def poke(self) -> None:
+        try:
+            os.write(self._pipe_w, b"!")
+        except (BlockingIOError, OSError):
+            pass
+
+    def drain(self) -> None:
+        self._drain()
+
+    @property
+    def lease_lost(self) -> bool:
+        return self._lease_lost.is_set()
 
     # ------------------------------------------------------------------ round-scoped keys
 
@@ -681,6 +765,7 @@ class Membership:
         self._wake.set()
         self._stop_monitor()
         self._unwatch_joins()
+        self.stop_watching_changes()
         if getattr(self.kv, "hosting", False) and self.world is not None:
             self._linger(self.world)
         for cancel in self._cancels:

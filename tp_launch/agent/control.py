@@ -1,42 +1,133 @@
 """The failure decisions of resilient mode, kept apart from the process plumbing.
 
-A :class:`World` is this node's view of the current generation: which slot (process)
-holds which rank, which slots are parked spares. The agent feeds it what it observes
-(deaths, spares that parked) and it answers with decisions:
+A :class:`Generation` is what every node of the job agrees on: which node holds which
+rank, where the generation's store is, which ranks get a new process. A :class:`World`
+is one node's side of it: which of its slots (processes) holds which of its ranks, which
+slots are parked spares. The agent feeds them what it observes and they answer with
+decisions:
 
-- :meth:`World.replace`: give every dead rank a parked spare (the longest-parked first)
-  and open generation g+1, or say that there are not enough spares;
-- :meth:`World.migrate`: a planned migration of one rank to a spare at a step boundary;
+- :func:`place`: give every rank that lost its process a node with a parked spare:
+  the rank's own node first for a dead process, a spare node first for a lost node,
+  then the other nodes; None when there are not enough spares;
+- :meth:`World.apply`: take a generation on this node: keep the processes whose rank
+  stayed, promote parked spares into the new ranks, release the rest;
 - :class:`CrashLoop`: a rank that fails with an error again at the step of the previous
   error failure is a script bug, not a machine failure: stop instead of draining the
   pool.
 
-Generations only grow; a process is told the generation number with every
-announcement and ignores anything older than what it holds (the fencing token on one
-node; across nodes the rendezvous backend's compare-and-swap plays that part).
+Generations only grow; a process is told the generation number with every announcement
+and ignores anything older than what it holds. On one node the agent is the only
+writer; across nodes the rendezvous backend's compare-and-swap on the generation is the
+fencing token (:mod:`tp_launch.agent.generations`).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class World:
-    """Ranks and spares of the current generation on this node.
+class Generation:
+    """One generation of the job, as every node sees it.
 
     Args:
-        world_size: ranks in the job.
-        rank_offset: global rank of this node's first rank.
+        gen: the generation number (the fencing token).
+        ranks: global rank -> id of the node that holds it.
+        store: (address, port) of the store the generation's group forms on.
+        replaced: ranks that get a new process in this generation.
+        reason: why it was opened ("start", "failure", "node loss", "migration").
+        boundary: a planned migration's step: ranks stop right after committing it.
     """
 
-    world_size: int
-    rank_offset: int = 0
-    gen: int = 0
-    slot_of: dict[int, int] = field(default_factory=dict)  # rank -> slot
+    gen: int
+    ranks: dict[int, str]
+    store: tuple[str, int]
+    replaced: list[int] = field(default_factory=list)
+    reason: str = "start"
+    boundary: int | None = None
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    def ranks_of(self, node: str) -> list[int]:
+        return sorted(r for r, n in self.ranks.items() if n == node)
+
+    @property
+    def nodes(self) -> list[str]:
+        """Nodes that hold a rank, in the order of their lowest rank."""
+        seen: dict[str, None] = {}
+        for rank in sorted(self.ranks):
+            seen.setdefault(self.ranks[rank], None)
+        return list(seen)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ranks": {str(r): n for r, n in self.ranks.items()},
+                "store": f"{self.store[0]}:{self.store[1]}", "replaced": self.replaced,
+                "reason": self.reason, "boundary": self.boundary}
+
+    @staticmethod
+    def from_json(gen: int, d: dict[str, Any]) -> Generation:
+        addr, _, port = d["store"].rpartition(":")
+        return Generation(gen, {int(r): n for r, n in d["ranks"].items()}, (addr, int(port)),
+                          list(d.get("replaced", [])), d.get("reason", "?"), d.get("boundary"))
+
+
+def place(lost: dict[int, str], ranks: dict[int, str], parked: dict[str, int],
+          order: list[str]) -> dict[int, str] | None:
+    """New homes for ranks that lost their process.
+
+    Args:
+        lost: rank -> the node it was on.
+        ranks: the current placement (rank -> node).
+        parked: node -> parked spares it has.
+        order: the nodes to try, best first.
+
+    Returns:
+        The new placement, or None (nothing changes) when too few spares are parked.
+        The ranks of one node move together to the first node that can take them all;
+        only when none can are they spread.
+    """
+    free = {n: parked.get(n, 0) for n in order}
+    new = dict(ranks)
+    by_node: dict[str, list[int]] = {}
+    for rank, node in sorted(lost.items()):
+        by_node.setdefault(node, []).append(rank)
+    for group in by_node.values():
+        home = next((n for n in order if free[n] >= len(group)), None)
+        for rank in group:
+            target = home or next((n for n in order if free[n] > 0), None)
+            if target is None:
+                return None
+            free[target] -= 1
+            new[rank] = target
+    return new
+
+
+@dataclass
+class Placed:
+    """What :meth:`World.apply` did on this node (rank -> slot)."""
+
+    promoted: dict[int, int] = field(default_factory=dict)  # a spare took the rank
+    released: dict[int, int] = field(default_factory=dict)  # the slot's rank left it
+    unplaced: list[int] = field(default_factory=list)       # no spare parked for it yet
+
+
+@dataclass
+class World:
+    """This node's processes in the current generation.
+
+    Args:
+        node: this node's id.
+    """
+
+    node: str
+    gen: int = -1
+    slot_of: dict[int, int] = field(default_factory=dict)  # rank -> slot (this node's)
     parked: list[int] = field(default_factory=list)  # spare slots, longest parked first
 
     def rank_of(self, slot: int) -> int | None:
@@ -53,24 +144,29 @@ class World:
         if slot in self.parked:
             self.parked.remove(slot)
 
-    def replace(self, dead_ranks: list[int]) -> dict[int, int] | None:
-        """Promote one parked spare per dead rank; returns rank -> new slot, or None
-        (nothing changed) when too few spares are parked."""
-        if len(self.parked) < len(dead_ranks):
-            return None
-        promoted = {rank: self.parked.pop(0) for rank in sorted(dead_ranks)}
-        self.slot_of.update(promoted)
-        self.gen += 1
-        return promoted
+    def apply(self, g: Generation, alive: Callable[[int], bool]) -> Placed:
+        """Take generation ``g``: a rank of this node keeps its slot unless it is
+        replaced or its process is gone; the others get parked spares (the
+        longest-parked first) or wait in ``unplaced``."""
+        done = Placed()
+        mine = set(g.ranks_of(self.node))
+        for rank, slot in list(self.slot_of.items()):
+            if rank not in mine or rank in g.replaced or not alive(slot):
+                done.released[rank] = self.slot_of.pop(rank)
+        for rank in sorted(mine - set(self.slot_of)):
+            if self.parked:
+                self.slot_of[rank] = done.promoted[rank] = self.parked.pop(0)
+            else:
+                done.unplaced.append(rank)
+        self.gen = g.gen
+        return done
 
-    def migrate(self, rank: int) -> tuple[int, int] | None:
-        """Move ``rank`` to a parked spare; returns (old slot, new slot), or None."""
-        if rank not in self.slot_of or not self.parked:
+    def fill(self, rank: int) -> int | None:
+        """Give an unplaced rank of the current generation a spare that parked since."""
+        if not self.parked:
             return None
-        old = self.slot_of[rank]
         self.slot_of[rank] = self.parked.pop(0)
-        self.gen += 1
-        return old, self.slot_of[rank]
+        return self.slot_of[rank]
 
 
 @dataclass

@@ -38,8 +38,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rendezvous import RendezvousInfo
+from rendezvous.membership import CHANGE_FAILURE, CHANGE_LOST, WorldChange
 from tp_launch import channel
-from tp_launch.agent.control import CrashLoop, World
+from tp_launch.agent.control import CrashLoop, Generation, World, place
+from tp_launch.agent.generations import LocalGenerations, SharedGenerations, View
 from tp_launch.agent.failures import ProcessFailure, copy_root_cause, format_summary
 from tp_launch.agent.node_agent import AttemptResult, NodeAgent, SignalWatch
 from tp_launch.agent.worker_env import spare_env, worker_argv, worker_env
@@ -55,6 +57,8 @@ _SPARE_FAILURES_MAX = 3
 # Steps past the highest committed step at which a planned migration stops the ranks:
 # ranks are within one step of each other, the announcement takes microseconds.
 _MIGRATION_MARGIN = 2
+# Multi-node: seconds between two reads of the job's state when no watch poked.
+_VIEW_POLL_S = 2.0
 
 
 def control_dir() -> str:
@@ -100,16 +104,26 @@ class ResilientAgent(NodeAgent):
     """A :class:`NodeAgent` that replaces dead ranks with parked spares."""
 
     def run(self) -> int:
-        if self.config.max_nodes > 1:
-            raise ConfigError("--spares: resilient mode runs on a single node in this "
-                              "version (use --nnodes 1)")
+        membership = getattr(self.rdzv, "membership", None)
+        if self.config.max_nodes > 1 and membership is None:
+            raise ConfigError("--spares across nodes needs a membership rendezvous "
+                              "(--rdzv-backend etcd or c10d), not "
+                              f"{self.config.rdzv_backend!r}")
+        if membership is not None:
+            self.rdzv.accept_spare_nodes()  # type: ignore[attr-defined]
         os.makedirs(control_dir(), exist_ok=True)
         self._control_path = os.path.join(control_dir(), f"{os.getpid()}.sock")
         self._no_restart = False
+        self._resilient_exit = False
         return super().run()
 
     def _may_restart(self) -> bool:
         return not self._no_restart
+
+    def _exit_barrier(self) -> Any:
+        # Resilient ranks met at the generations' own exit barrier (whose nodes follow
+        # the placement); a plain script's nodes meet at the rendezvous' as usual.
+        return None if self._resilient_exit else super()._exit_barrier()
 
     # The compatible agent's run loop calls this once per attempt.
     def _run_attempt(self, info: RendezvousInfo, restart_count: int,
@@ -118,31 +132,43 @@ class ResilientAgent(NodeAgent):
         logs = self.layout.attempt(restart_count)
         self._info, self._logs, self._restart_count = info, logs, restart_count
         self._procs: dict[int, Proc] = {}
-        self._next_slot = cfg.nproc_per_node
-        self._world = World(info.world_size, info.rank_offset)
         self._resilient = False
         self._spare_failures = 0
         self._crash = CrashLoop()
         self._recovery: Recovery | None = None
-        self._waiting: list[int] = []  # dead ranks waiting for a spare (policy wait)
+        self._waiting: dict[int, str] = {}  # rank -> lost node, waiting for a spare
         self._wait_deadline = 0.0
+        self._unplaced: list[int] = []  # ranks of this node whose spare has not parked yet
         self._finished: set[int] = set()
         self._exiting = False
         self._retired: set[int] = set()  # slots of ranks that migrated away
         self._waiting_since = 0.0
         self._first_failure: ProcessFailure | None = None
+        self._last_view = 0.0
         board_dir = logs.attempt_dir if os.path.isdir(logs.attempt_dir) else tempfile.mkdtemp()
         self._board = channel.ProgressBoard(os.path.join(board_dir, ".progress"), create=True)
         self._server = self._listen()
         self._sel = selectors.DefaultSelector()
         self._sel.register(watch.fd, selectors.EVENT_READ, ("signal", None))
         self._sel.register(self._server, selectors.EVENT_READ, ("accept", None))
-        self._tail = ConsoleTail(cfg, logs, {r: info.rank_offset + r for r in range(cfg.nproc_per_node)})
+        membership = getattr(self.rdzv, "membership", None)
+        self._gens: LocalGenerations | SharedGenerations = \
+            SharedGenerations(membership, info) if membership is not None else \
+            LocalGenerations(info)
+        if self._gens.fd is not None:
+            self._sel.register(self._gens.fd, selectors.EVENT_READ, ("world", None))
+        self._gen = self._gens.initial()
+        self._world = World(self._gens.node, self._gen.gen)
+        mine = self._gen.ranks_of(self._gens.node)
+        # A spare node (beyond the world) starts as a node of parked spares only.
+        self._pool = cfg.spares if mine else cfg.nproc_per_node
+        self._next_slot = cfg.nproc_per_node if mine else 0
+        self._tail = ConsoleTail(cfg, logs, dict(enumerate(mine)))
         try:
-            for local in range(cfg.nproc_per_node):
+            for local, rank in enumerate(mine):
                 self._spawn_slot(local, logs.ranks[local])
-                self._world.slot_of[info.rank_offset + local] = local
-            for _ in range(cfg.spares):
+                self._world.slot_of[rank] = local
+            for _ in range(self._pool):
                 self._spawn_spare()
             self._write_status()
             return self._monitor_resilient(watch)
@@ -153,6 +179,7 @@ class ResilientAgent(NodeAgent):
             stop_workers(self.workers, signal.SIGTERM, cfg.shutdown_timeout)
             self._tail.stop()
             self._close_channel()
+            self._gens.close()
             self._release_workers()
 
     # ------------------------------------------------------------------ processes
@@ -184,6 +211,9 @@ class ResilientAgent(NodeAgent):
     def _slot_rank(self, slot: int) -> int | None:
         return self._world.rank_of(slot)
 
+    def _alive(self, slot: int) -> bool:
+        return self._procs[slot].worker.returncode is None
+
     # ------------------------------------------------------------------ channel
 
     def _listen(self) -> socket.socket:
@@ -207,6 +237,8 @@ class ResilientAgent(NodeAgent):
         with open(tmp, "w") as f:
             json.dump(status, f)
         os.replace(tmp, self._control_path + ".json")
+        if isinstance(self._gens, SharedGenerations):
+            self._gens.set_parked(len(world.parked))
 
     def _close_channel(self) -> None:
         for key in list(self._sel.get_map().values()):
@@ -252,9 +284,10 @@ class ResilientAgent(NodeAgent):
             pass  # it is dying: its pidfd says so in a moment
 
     def _generation_msg(self, rank: int | None, **extra: Any) -> dict[str, Any]:
-        return {"op": "generation", "gen": self._world.gen, "rank": rank,
-                "world_size": self._world.world_size, "master_addr": self._info.master_addr,
-                "master_port": self._info.master_port, **extra}
+        g = self._gen
+        return {"op": "generation", "gen": g.gen, "rank": rank, "world_size": g.world_size,
+                "master_addr": g.store[0], "master_port": g.store[1],
+                "reason": g.reason, "boundary": g.boundary, **extra}
 
     def _on_message(self, conn: socket.socket, msg: dict[str, Any]) -> None:
         op = msg.get("op")
@@ -266,12 +299,14 @@ class ResilientAgent(NodeAgent):
             self._resilient = True
             rank = self._slot_rank(proc.slot)
             if rank is not None:
-                self._tell(proc.slot, self._generation_msg(rank, reason="start"))
-            elif proc.slot >= self.config.nproc_per_node:
+                self._tell(proc.slot, self._generation_msg(rank))
+            elif proc.slot not in self._retired:
                 self._spare_failures = 0
                 self._world.park(proc.slot)
+                if self._unplaced:
+                    self._fill_unplaced()
                 if self._waiting:
-                    self._replace(list(self._waiting), [], self._waiting_since)
+                    self._recover({}, self._waiting_since)
                 self._write_status()
         elif op == "resumed" and self._recovery and msg["gen"] == self._recovery.gen:
             self._recovery.resumed[msg["rank"]] = msg
@@ -283,10 +318,12 @@ class ResilientAgent(NodeAgent):
             if self._recovery and msg["rank"] not in self._recovery.stepped:
                 self._recovery.stepped[msg["rank"]] = time.time()
                 self._maybe_report()
-            if self._finished >= set(self._world.slot_of):
-                self._exiting = True  # past the exit barrier: nothing left to recover
-                for proc in self._procs.values():
-                    self._tell(proc.slot, {"op": "exit"})
+            if self._finished >= set(self._world.slot_of) and not self._unplaced:
+                if isinstance(self._gens, SharedGenerations):
+                    self._gens.mark_finished(self._world.gen)  # the others' view ends it
+                    self._gens.m.poke()
+                else:
+                    self._end_job()
         elif op == "migrate":
             reply = self._migrate(int(msg["rank"]))
             try:
@@ -294,13 +331,22 @@ class ResilientAgent(NodeAgent):
             except OSError:
                 pass
 
+    def _end_job(self) -> None:
+        """Every rank finished: past the exit barrier, nothing is left to recover."""
+        self._exiting = True
+        self._resilient_exit = self._resilient
+        for proc in self._procs.values():
+            self._tell(proc.slot, {"op": "exit"})
+
     # ------------------------------------------------------------------ monitoring
 
     def _monitor_resilient(self, watch: SignalWatch) -> AttemptResult:
         cfg = self.config
+        shared = isinstance(self._gens, SharedGenerations)
         while True:
             timeout = max(cfg.monitor_interval, 0.01)
             exited: list[Proc] = []
+            world_changed = False
             for key, _ in self._sel.select(timeout=timeout):
                 kind, obj = key.data
                 if kind == "signal":
@@ -309,18 +355,59 @@ class ResilientAgent(NodeAgent):
                     self._accept()
                 elif kind == "conn":
                     self._read_conn(*obj)
+                elif kind == "world":
+                    world_changed = True
                 elif kind == "exit" and obj.worker.returncode is not None:
                     self._sel.unregister(key.fd)
                     exited.append(obj)
             watch.raise_pending()
             if exited:
                 self._on_exits(exited)
+            if shared and (world_changed or time.monotonic() - self._last_view > _VIEW_POLL_S):
+                self._on_world_change()
             if self._waiting and time.monotonic() > self._wait_deadline:
                 raise StopJob(self._failure_result(), final=True)
-            ranks_alive = [s for s in self._world.slot_of.values()
-                           if self._procs[s].worker.returncode is None]
-            if not ranks_alive and not self._waiting:
+            ranks_alive = [s for s in self._world.slot_of.values() if self._alive(s)]
+            if not ranks_alive and not self._waiting and not self._unplaced and \
+                    (self._world.slot_of or self._exiting):
                 return AttemptResult()  # every rank exited 0 after the exit barrier
+
+    def _on_world_change(self) -> None:
+        """Multi-node: act on what the job's state says now."""
+        assert isinstance(self._gens, SharedGenerations)
+        self._gens.m.drain()
+        self._last_view = time.monotonic()
+        view = self._gens.view()
+        if view is None:
+            return
+        if view.lease_lost:
+            # The others count this node as dead and move its ranks: leave, rejoin.
+            stop_workers(self.workers, signal.SIGTERM, self.config.shutdown_timeout)
+            raise StopJob(AttemptResult(change=WorldChange(
+                CHANGE_LOST, "this node's rendezvous lease expired")), final=False)
+        if view.failed and not self._exiting:
+            stop_workers(self.workers, signal.SIGTERM, self.config.shutdown_timeout)
+            raise StopJob(AttemptResult(change=WorldChange(CHANGE_FAILURE, view.failed)),
+                          final=view.final)
+        g = view.generation
+        if g.gen > self._world.gen:
+            self._apply(g, time.time())
+        if view.complete or (g.nodes and view.all_finished()):
+            if not self._exiting:
+                self._gens.mark_complete()
+                self._end_job()
+            return
+        lost = [n for n in g.nodes if n not in view.alive]
+        survivors = sorted(n for n in g.nodes if n in view.alive)
+        if lost and not self._exiting and survivors and survivors[0] == self._gens.node:
+            # One decider, the lowest live node (a race is settled by the CAS anyway).
+            moving = {r: n for r, n in g.ranks.items() if n in lost}
+            if not self._waiting:
+                logger.warning("node(s) %s lost (lease expired): moving rank(s) %s", lost,
+                               sorted(moving))
+            self._recover(moving, time.time())
+        elif self._waiting and not self._exiting:
+            self._recover({}, self._waiting_since)  # a spare may have parked elsewhere
 
     def _on_exits(self, exited: list[Proc]) -> None:
         now = time.time()
@@ -341,8 +428,11 @@ class ResilientAgent(NodeAgent):
         if not self._resilient or self._exiting:
             # Not resilient, or training is over (a rank died in the script's epilogue,
             # after every rank finished): torchrun's way.
-            raise StopJob(self._fail([p.worker for p in failures], self._rank_map()), final=False)
+            result = self._fail([p.worker for p in failures], self._rank_map())
+            raise StopJob(result, final=False)
         for proc in failures:
+            logger.warning("rank %s (pid %s) failed with exit code %s; replacing it",
+                           self._slot_rank(proc.slot), proc.worker.pid, proc.worker.returncode)
             f = self._as_failure(proc)
             if self._first_failure is None:
                 self._first_failure = f
@@ -351,9 +441,10 @@ class ResilientAgent(NodeAgent):
                 logger.error("rank %s failed again at step %s with exit code %s: a crash "
                              "loop, not a machine failure; stopping the job",
                              f.rank, step, f.exitcode)
+                self._report(f"rank {f.rank} crash loop at step {step}", final=True)
                 stop_workers(self.workers, signal.SIGTERM, self.config.shutdown_timeout)
                 raise StopJob(AttemptResult([f, *self._other_failures(f)], f), final=True)
-        self._replace(dead_ranks, failures, now)
+        self._recover({r: self._world.node for r in dead_ranks}, now)
 
     def _lost_spare(self, proc: Proc) -> None:
         self._world.unpark(proc.slot)
@@ -362,7 +453,8 @@ class ResilientAgent(NodeAgent):
             return  # the job is ending: spares leave
         if not proc.hello:
             self._spare_failures += 1
-            if self._spare_failures >= _SPARE_FAILURES_MAX or not self._resilient:
+            if self._spare_failures >= _SPARE_FAILURES_MAX or \
+                    (not self._resilient and self._world.slot_of):
                 logger.error("a spare exited with code %s before reaching "
                              "tp_launch.resilient.run() (see %s); going on without spares",
                              proc.worker.returncode, proc.logs.stderr or "its stderr")
@@ -386,95 +478,160 @@ class ResilientAgent(NodeAgent):
         return [self._as_failure(p) for p in self._procs.values()
                 if p.worker.returncode and p.worker.pid != root.pid]
 
-    def _failure_result(self) -> AttemptResult:
-        stop_workers(self.workers, signal.SIGTERM, self.config.shutdown_timeout)
+    def _report(self, detail: str, final: bool) -> None:
+        """Multi-node: the job stops or restarts: tell the other nodes."""
+        if isinstance(self._gens, SharedGenerations):
+            self._gens.report_failure(detail, final)
+
+    def _failure_result(self, final: bool = True) -> AttemptResult:
         root = self._first_failure
-        assert root is not None
+        self._report(f"rank {root.rank if root else '?'} failed and no spare is left", final)
+        stop_workers(self.workers, signal.SIGTERM, self.config.shutdown_timeout)
+        if root is None:
+            return AttemptResult(change=WorldChange(CHANGE_LOST, "no spare left"))
         return AttemptResult([root, *self._other_failures(root)], root)
 
     # ------------------------------------------------------------------ decisions
 
-    def _replace(self, dead_ranks: list[int], failures: list[Proc], detected: float) -> None:
+    def _recover(self, lost: dict[int, str], detected: float) -> None:
+        """Ranks lost their process (rank -> the node it was on; this node's own, or a
+        lost node's): publish a generation that gives each a parked spare. A dead
+        process's rank stays on its node if the node has spares; a lost node's ranks go
+        to a spare node first; then to any node with spares."""
+        world, g = self._world, self._gen
+        lost = {**self._waiting, **lost}
+        if not lost:
+            return
+        local = [r for r, n in lost.items() if n == world.node]
+        failed = [self._failed_record(r) if r in local else {"rank": r, "node": n}
+                  for r, n in sorted(lost.items())]
+        ranks: dict[int, str] | None = g.ranks
+        if len(local) < len(lost) or len(world.parked) < len(lost):
+            view = self._gens.view() if isinstance(self._gens, SharedGenerations) else None
+            first = ([world.node] if local else []) + (view.spare_nodes if view else [])
+            ranks = self._place(lost, first, view)
+        if ranks is None:
+            self._no_spare(lost, detected)
+            return
+        reason = "failure" if local else "node loss"
+        new = Generation(g.gen + 1, ranks, self._gens.store, sorted(lost), reason)
+        if self._gens.publish(new):
+            self._waiting = {}
+            self._apply(new, detected, failed)
+        # else another node published first: its generation comes through the view,
+        # and applying it gives this node's dead ranks this node's spares.
+
+    def _place(self, lost: dict[int, str], first: list[str],
+               view: View | None) -> dict[int, str] | None:
+        """Homes for ``lost`` ranks: the nodes in ``first``, then every other live node."""
         world = self._world
-        for proc in failures:
-            logger.warning("rank %s (pid %s) failed with exit code %s; replacing it",
-                           self._slot_rank(proc.slot), proc.worker.pid, proc.worker.returncode)
-        dead = sorted(set(dead_ranks) | set(self._waiting))
-        old_slots = {r: world.slot_of[r] for r in dead}
-        promoted = world.replace(dead)
-        if promoted is None:
-            policy = self.config.spare_policy
-            if policy == "wait":
-                if not self._waiting:
-                    self._waiting_since = detected
-                    self._wait_deadline = time.monotonic() + self.config.spare_wait_timeout
-                    logger.warning("no spare parked for rank(s) %s; waiting up to %.0f s",
-                                   dead, self.config.spare_wait_timeout)
-                    for rank, slot in world.slot_of.items():
-                        if rank not in dead:
-                            self._tell(slot, {"op": "recovering"})
-                self._waiting = dead
-                self._spawn_missing_spares()
-                return
-            logger.error("no spare parked for rank(s) %s (--spare-policy %s)", dead, policy)
-            raise StopJob(self._failure_result(), final=policy == "fail")
-        self._waiting = []
-        rec = Recovery(world.gen, "failure", detected, decided=time.time())
-        for rank in dead:
-            old = self._procs[old_slots[rank]].worker
-            rec.failed.append({"rank": rank, "slot": old_slots[rank], "pid": old.pid,
-                               "exitcode": old.returncode,
-                               "step": self._board.read(old_slots[rank])})
-            new = self._procs[promoted[rank]].worker
-            rec.promoted.append({"rank": rank, "slot": promoted[rank], "pid": new.pid})
+        parked = {world.node: len(world.parked)}
+        order = list(first)
+        if isinstance(self._gens, SharedGenerations):
+            if view is None:
+                return None
+            parked = {**self._gens.parked(), **parked}
+            order += [n for n in view.spare_nodes + self._gen.nodes
+                      if n in view.alive and n not in order and n not in lost.values()]
+        return place(lost, self._gen.ranks, parked, order)
+
+    def _no_spare(self, lost: dict[int, str], detected: float) -> None:
+        """``--spare-policy``: nothing parked anywhere for the ``lost`` ranks."""
+        policy, dead = self.config.spare_policy, sorted(lost)
+        if policy == "wait":
+            if not self._waiting:
+                self._waiting_since = detected
+                self._wait_deadline = time.monotonic() + self.config.spare_wait_timeout
+                logger.warning("no spare parked for rank(s) %s; waiting up to %.0f s",
+                               dead, self.config.spare_wait_timeout)
+                for rank, slot in self._world.slot_of.items():
+                    if rank not in lost:
+                        self._tell(slot, {"op": "recovering"})
+            self._waiting = lost
+            self._spawn_missing_spares()
+            return
+        logger.error("no spare parked for rank(s) %s (--spare-policy %s)", dead, policy)
+        raise StopJob(self._failure_result(final=policy == "fail"), final=policy == "fail")
+
+    def _failed_record(self, rank: int) -> dict[str, Any]:
+        slot = self._world.slot_of[rank]
+        old = self._procs[slot].worker
+        return {"rank": rank, "slot": slot, "pid": old.pid, "exitcode": old.returncode,
+                "step": self._board.read(slot)}
+
+    def _apply(self, g: Generation, detected: float,
+               failed: list[dict[str, Any]] | None = None) -> None:
+        """Take generation ``g`` on this node and announce it to this node's ranks."""
+        world = self._world
+        placed = world.apply(g, self._alive)
+        self._gen = g
+        self._unplaced = placed.unplaced
+        if placed.promoted:
+            self._pool = self.config.spares  # a spare node is an active node now
+        handoffs: dict[int, dict[str, Any]] = {}
+        for rank, slot in placed.released.items():
+            if not self._alive(slot):
+                continue
+            self._retired.add(slot)
+            prefix = f"tp-run/g{g.gen}/handoff/{rank}"
+            if g.boundary is not None and rank in placed.promoted:
+                # A planned migration: the leaving rank hands its state over.
+                handoffs[rank] = {"role": "receiver", "prefix": prefix}
+                self._tell(slot, self._generation_msg(None, handoff={"role": "donor",
+                                                                      "prefix": prefix}))
+            else:
+                self._tell(slot, self._generation_msg(None))  # retire it
         self._finish_report()
+        rec = Recovery(g.gen, g.reason, detected, decided=time.time(), failed=failed or [])
+        rec.promoted = [{"rank": r, "slot": s, "pid": self._procs[s].worker.pid}
+                        for r, s in sorted(placed.promoted.items())]
         self._recovery = rec
         self._finished.clear()
         for rank, slot in world.slot_of.items():
-            self._tell(slot, self._generation_msg(rank, reason="failure"))
+            self._tell(slot, self._generation_msg(rank, handoff=handoffs.get(rank)))
         self._spawn_missing_spares()
         self._write_status()
+
+    def _fill_unplaced(self) -> None:
+        """A spare parked: give it a rank of this generation that has no process yet."""
+        while self._unplaced:
+            slot = self._world.fill(self._unplaced[0])
+            if slot is None:
+                return
+            rank = self._unplaced.pop(0)
+            if self._recovery is not None:
+                self._recovery.promoted.append({"rank": rank, "slot": slot,
+                                                "pid": self._procs[slot].worker.pid})
+            self._tell(slot, self._generation_msg(rank))
 
     def _spawn_missing_spares(self) -> None:
         if self._spare_failures >= _SPARE_FAILURES_MAX:
             return
         pending = [p for p in self._procs.values()
-                   if p.slot >= self.config.nproc_per_node and self._slot_rank(p.slot) is None
-                   and p.worker.returncode is None and p.slot not in self._retired]
-        for _ in range(self.config.spares - len(pending)):
+                   if self._slot_rank(p.slot) is None and p.worker.returncode is None
+                   and p.slot not in self._retired]
+        for _ in range(self._pool + len(self._unplaced) - len(pending)):
             self._spawn_spare()
 
     def _migrate(self, rank: int) -> str:
-        world = self._world
+        world, g = self._world, self._gen
         if rank not in world.slot_of:
             return f"error: no rank {rank} on this node (ranks {sorted(world.slot_of)})"
         if self._recovery is not None and len(self._recovery.resumed) < len(world.slot_of):
             return "error: a recovery is in progress; try again in a moment"
-        steps = [self._board.read(s) for s in world.slot_of.values()]
-        moved = world.migrate(rank)
-        if moved is None:
+        if not world.parked:
             return "error: no spare is parked; try again when one is"
-        old, new = moved
+        steps = [self._board.read(s) for s in world.slot_of.values()]
         boundary = max(steps) + _MIGRATION_MARGIN
-        prefix = f"tp-run/g{world.gen}/handoff"
-        self._retired.add(old)
-        self._finish_report()
-        self._recovery = Recovery(world.gen, "migration", time.time(), decided=time.time())
-        self._recovery.failed.append({"rank": rank, "slot": old, "pid": self._procs[old].worker.pid})
-        self._recovery.promoted.append({"rank": rank, "slot": new,
-                                        "pid": self._procs[new].worker.pid})
-        self._finished.clear()
-        for r, slot in world.slot_of.items():
-            handoff = {"role": "receiver", "prefix": prefix} if r == rank else None
-            self._tell(slot, self._generation_msg(r, reason="migration", boundary=boundary,
-                                                  handoff=handoff))
-        self._tell(old, self._generation_msg(None, reason="migration", boundary=boundary,
-                                             handoff={"role": "donor", "prefix": prefix}))
-        self._spawn_missing_spares()
-        self._write_status()
-        logger.warning("migrating rank %s from pid %s to pid %s at step %s", rank,
-                       self._procs[old].worker.pid, self._procs[new].worker.pid, boundary)
-        return f"ok: rank {rank} moves to spare pid {self._procs[new].worker.pid} after step {boundary}"
+        old = self._procs[world.slot_of[rank]].worker.pid
+        new = Generation(g.gen + 1, g.ranks, self._gens.store, [rank], "migration", boundary)
+        if not self._gens.publish(new):
+            return "error: the job's generation changed meanwhile; try again"
+        self._apply(new, time.time(), [{"rank": rank, "slot": world.slot_of[rank], "pid": old}])
+        pid = self._procs[world.slot_of[rank]].worker.pid
+        logger.warning("migrating rank %s from pid %s to pid %s at step %s", rank, old, pid,
+                       boundary)
+        return f"ok: rank {rank} moves to spare pid {pid} after step {boundary}"
 
     # ------------------------------------------------------------------ reporting
 

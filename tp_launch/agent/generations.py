@@ -1,0 +1,191 @@
+"""Where resilient mode's generations are published: one agent alone, or every node's.
+
+:class:`LocalGenerations` (a single-node job): the agent is the only writer; a
+generation is published by deciding it.
+
+:class:`SharedGenerations` (a multi-node job, ``--rdzv-backend etcd|c10d``): over the
+rendezvous membership (:mod:`rendezvous.membership`). A generation is the state's
+``generation`` counter plus its ``resilient`` document (:meth:`Generation.to_json`:
+rank -> node, the store, the replaced ranks), written together by compare-and-swap on
+the counter: when two agents both see a node die, one generation comes out of it and
+the other agent adopts it. The state's participants follow the placement (the nodes
+that hold ranks) and its spares list loses the spare nodes that were promoted.
+
+Every agent watches the state, the liveness keys and the resilient exit barrier; a
+change pokes :attr:`SharedGenerations.fd` and the agent reads a :class:`View`. Each
+agent also hosts a store of its own: the agent that publishes a generation names its
+own store, so a generation never forms on a store a dead node hosted. Parked spare
+counts (``parked/<node>``, with the node's lease) tell the others where a lost node's
+ranks can go.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from rendezvous import RendezvousInfo
+from rendezvous.kv import KVError
+from rendezvous.store_host import StoreHost
+from tp_launch.agent.control import Generation
+
+if TYPE_CHECKING:
+    from rendezvous.membership import Member, Membership
+
+logger = logging.getLogger(__name__)
+
+LOCAL_NODE = "local"
+
+
+@dataclass
+class View:
+    """The job as a poke finds it (multi-node)."""
+
+    generation: Generation
+    alive: set[str]
+    spare_nodes: list[str]  # live spare nodes, in the redundancy list's order
+    finished: dict[str, int]  # node -> generation its ranks finished in
+    failed: str | None = None  # a node asked for a restart (or, final, a stop)
+    final: bool = False
+    complete: bool = False
+    lease_lost: bool = False
+
+    def all_finished(self) -> bool:
+        g = self.generation
+        return all(self.finished.get(n) == g.gen for n in g.nodes)
+
+
+class LocalGenerations:
+    """A single node: generations are this agent's own decisions."""
+
+    fd: int | None = None
+    node = LOCAL_NODE
+
+    def __init__(self, info: RendezvousInfo) -> None:
+        self._info = info
+
+    @property
+    def store(self) -> tuple[str, int]:
+        return self._info.master_addr, self._info.master_port
+
+    def initial(self) -> Generation:
+        return Generation(0, {r: self.node for r in range(self._info.world_size)}, self.store)
+
+    def publish(self, g: Generation) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+class SharedGenerations:
+    """Generations of a multi-node job, over the rendezvous membership.
+
+    Args:
+        membership: this agent's member of the formed world.
+        info: the formed world (its store serves the first generation).
+    """
+
+    def __init__(self, membership: Membership, info: RendezvousInfo) -> None:
+        self.m = membership
+        self._info = info
+        self.node = membership.id
+        self._host = StoreHost("", 0)  # the store of the generations this agent publishes
+        self._round_store = (info.master_addr, info.master_port)
+        membership.watch_changes()
+
+    @property
+    def fd(self) -> int:
+        return self.m.fd
+
+    @property
+    def store(self) -> tuple[str, int]:
+        return self.m.addr, self._host.port
+
+    def _members(self, state: dict) -> dict[str, Member]:
+        from rendezvous.membership import Member
+
+        return {d["id"]: Member.from_json(d)
+                for d in state.get("participants", []) + state.get("spares", [])}
+
+    def _generation(self, state: dict) -> Generation:
+        doc = state.get("resilient")
+        if doc is not None:
+            return Generation.from_json(state["generation"], doc)
+        ranks: dict[int, str] = {}
+        for d in state["participants"]:  # the world as it formed: node-major ranks
+            ranks.update({len(ranks): d["id"] for _ in range(int(d["lws"]))})
+        return Generation(state["generation"], ranks, self._round_store)
+
+    def initial(self) -> Generation:
+        state, _ = self.m.read_state()
+        assert state is not None
+        return self._generation(state)
+
+    def view(self) -> View | None:
+        """The job now; None when the backend cannot be read (try again later)."""
+        m = self.m
+        try:
+            state, _ = m.read_state()
+            alive = m.alive_members()
+            finished = m.finished()
+        except KVError as e:
+            logger.warning("rendezvous: cannot read the job's state: %s", e)
+            return None
+        assert m.world is not None
+        if state is None or state["round"] != m.world.round:
+            why = "the rendezvous state disappeared" if state is None else \
+                state.get("failed") or state.get("reason", "a new rendezvous round")
+            return View(Generation(-1, {}, self.store), alive, [], finished, failed=why)
+        return View(self._generation(state), alive,
+                    [d["id"] for d in state.get("spares", []) if d["id"] in alive], finished,
+                    failed=state.get("failed"), final=bool(state.get("final")),
+                    complete=state["phase"] == "complete", lease_lost=m.lease_lost)
+
+    def parked(self) -> dict[str, int]:
+        try:
+            return self.m.parked_counts()
+        except KVError as e:
+            logger.warning("rendezvous: cannot read the parked spares: %s", e)
+            return {}
+
+    def set_parked(self, count: int) -> None:
+        try:
+            self.m.set_parked(count)
+        except KVError as e:
+            logger.warning("rendezvous: cannot publish the parked spares: %s", e)
+
+    def publish(self, g: Generation) -> bool:
+        """Write ``g`` if the job is still at generation ``g.gen - 1``."""
+        try:
+            state, _ = self.m.read_state()
+        except KVError as e:
+            logger.warning("rendezvous: cannot publish generation %s: %s", g.gen, e)
+            return False
+        if state is None:
+            return False
+        members = self._members(state)
+        holders = [members[n] for n in g.nodes if n in members]
+        spares = [s for s in members.values()
+                  if s.id not in g.nodes and s.id in {d["id"] for d in state.get("spares", [])}]
+        return self.m.compare_and_swap_generation(g.gen - 1, holders, spares, g.to_json())
+
+    def mark_finished(self, gen: int) -> None:
+        try:
+            self.m.mark_finished(gen)
+        except KVError as e:
+            logger.warning("rendezvous: cannot mark this node finished: %s", e)
+
+    def mark_complete(self) -> None:
+        try:
+            self.m.mark_complete()
+        except KVError as e:
+            logger.warning("rendezvous: cannot mark the job complete: %s", e)
+
+    def report_failure(self, detail: str, final: bool) -> None:
+        self.m.report_failure(detail, final)
+
+    def close(self) -> None:
+        self.m.stop_watching_changes()
+        self._host.close()
