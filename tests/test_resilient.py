@@ -163,6 +163,14 @@ def _parked(proc: subprocess.Popen) -> int:
         return 0
 
 
+def _ranks(proc: subprocess.Popen) -> set[int]:
+    """The ranks an agent holds now, from its status file."""
+    from tp_launch.agent.resilient_agent import control_dir
+
+    with open(os.path.join(control_dir(), f"{proc.pid}.sock.json")) as f:
+        return {int(r) for r in json.load(f)["ranks"]}
+
+
 def _wait(cond, what: str, timeout: float = HANG_TIMEOUT) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -295,3 +303,70 @@ def test_cuda_state_survives_a_kill(workdir, test_env):
     proc, out = launch(workdir, test_env, ["--nproc-per-node", "2", "--spares", "1"],
                        ["--kill", "1:5:forward", "--device", "cuda"])
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+# Multi-node over etcd: short leases so that a SIGKILLed agent is noticed in seconds.
+RDZV_CONF = ("join_timeout=60,last_call_timeout=1,keep_alive_interval=0.5,lease_ttl=3,"
+             "heartbeat_timeout=3")
+
+
+@pytest.mark.parametrize("spares_on", ["spare node", "surviving node"])
+def test_node_loss_moves_its_ranks_to_spares(workdir, test_env, reference, etcd_server,
+                                             spares_on):
+    """etcd, --nnodes 2: two agents x 2 ranks. SIGKILL one agent mid-run: its two ranks
+    move, in one generation, to a spare node (a third agent, beyond the world: its 2
+    processes parked) or, with no spare node, to the surviving node's parked spares
+    (--spares 2). The surviving ranks keep their processes; the result is bit-identical
+    to torchrun's failure-free run."""
+    import uuid
+
+    out = workdir / "out"
+    out.mkdir()
+    env = {**test_env, "OUT": str(out), "OMP_NUM_THREADS": "1"}
+    run_id = f"job-{uuid.uuid4().hex[:8]}"
+    spares = "1" if spares_on == "spare node" else "2"
+
+    def agent(node: int) -> subprocess.Popen:
+        return start_launcher(TP_RUN, [
+            "--nnodes", "2", "--nproc-per-node", "2", "--spares", spares,
+            "--rdzv-backend", "etcd", "--rdzv-endpoint", etcd_server.endpoint,
+            "--rdzv-id", run_id, "--local-addr", f"127.0.0.{node + 2}",
+            "--rdzv-conf", RDZV_CONF, "--monitor-interval", "0.1",
+            "--log-dir", str(workdir / f"logs{node}"),
+            SCRIPT, "--steps", str(STEPS), "--hold-at", "8"], env, workdir)
+
+    agents = [agent(0), agent(1)]
+    try:
+        _wait(lambda: all((out / f"held_{r}").exists() for r in range(4)), "4 ranks train")
+        if spares_on == "spare node":
+            agents.append(agent(2))  # the world has formed: this one is a spare node
+            _wait(lambda: _parked(agents[2]) >= 2, "the spare node parks its processes")
+            assert _ranks(agents[2]) == set()
+        victim, survivor = sorted(agents[:2], key=lambda a: 2 in _ranks(a), reverse=True)
+        _wait(lambda: _parked(survivor) >= int(spares), "the surviving node parks its spares")
+        receiver = agents[2] if spares_on == "spare node" else survivor
+        moved, stayed = _ranks(victim), _ranks(survivor)
+        first = {e[0][0]: pid for pid, e in entries(out).items()}
+        victim.kill()
+        victim.communicate()
+        (out / "release").touch()
+        results = [(p.wait(timeout=HANG_TIMEOUT), p.communicate()[1])
+                   for p in agents if p is not victim]
+    finally:
+        for p in agents:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for rc, err in results:
+        assert rc == 0, err[-3000:]
+    final = finals(out)
+    assert {r["checksum"] for r in final} == {reference}
+    assert all(r["step"] == STEPS for r in final)
+    assert all(final[r]["pid"] == first[r] for r in stayed)  # survivors keep their process
+    log_dir = workdir / f"logs{agents.index(receiver)}"
+    (event,) = recoveries(log_dir)  # the receiving node's account of it
+    assert event["reason"] == "node loss" and sorted(event["failed_ranks"]) == sorted(moved)
+    promoted = {p["rank"]: p["pid"] for p in event["promoted"]}
+    assert set(promoted) == moved
+    assert all(final[r]["pid"] == promoted[r] != first[r] for r in moved)
+    assert f"tp-run: node loss: rank(s) {sorted(moved)}" in results[-1][1]

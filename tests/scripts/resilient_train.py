@@ -1,13 +1,14 @@
 """A resilient DDP job for the tests: deterministic data, chosen failures, a record of pids.
 
     resilient_train.py --steps N [--kill RANK:STEP:WHERE,...] [--crash-step S]
-                       [--sabotage donor|newcomer] [--step-sleep SECONDS]
+                       [--sabotage donor|newcomer] [--step-sleep SECONDS] [--hold-at S]
 
 WHERE is ``forward`` (a forward pre-hook), ``allreduce`` (inside DDP's gradient
 all-reduce: the communication hook), or ``after-step`` (right after optimizer.step()).
 Each kill happens once per job (a marker file in $OUT), by SIGKILL to the process
 itself. ``--crash-step S``: every rank raises at step S, every time (a script bug).
-``--sabotage``: a registered object that SIGKILLs its process while the state is moved
+``--hold-at S``: after step S each rank (once) waits for ``$OUT/release``, so a test can
+act while the job is mid-run. ``--sabotage``: a registered object that SIGKILLs its process while the state is moved
 (``donor``: when a donor snapshots it; ``newcomer``: when a newcomer loads it), once.
 
 Outputs in $OUT: ``entry_<pid>`` lines "rank step world" at each (re)entry of train,
@@ -41,6 +42,8 @@ p.add_argument("--width", type=int, default=32)
 p.add_argument("--no-resilient", action="store_true")
 p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
 p.add_argument("--parked", type=int, default=1, help="spares that must be parked before a kill")
+p.add_argument("--hold-at", type=int, default=-1,
+               help="after this step, each rank writes $OUT/held_<rank> and waits for $OUT/release")
 args = p.parse_args()
 OUT = os.environ["OUT"]
 KILLS = [tuple(k.split(":")) for k in args.kill.split(",") if k]
@@ -140,6 +143,10 @@ def train(state) -> str:
         loss.backward()
         opt.step()
         maybe_kill("after-step", step)
+        if step == args.hold_at and once(f"hold_{rank}"):
+            open(os.path.join(OUT, f"held_{rank}"), "w").close()
+            while not os.path.exists(os.path.join(OUT, "release")):
+                time.sleep(0.05)
         if args.step_sleep:
             time.sleep(args.step_sleep)
     return checksum(model)

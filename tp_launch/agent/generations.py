@@ -115,7 +115,8 @@ class SharedGenerations:
             return Generation.from_json(state["generation"], doc)
         ranks: dict[int, str] = {}
         for d in state["participants"]:  # the world as it formed: node-major ranks
-            ranks.update({len(ranks): d["id"] for _ in range(int(d["lws"]))})
+            for _ in range(int(d["lws"])):
+                ranks[len(ranks)] = d["id"]
         return Generation(state["generation"], ranks, self._round_store)
 
     def initial(self) -> Generation:

@@ -163,7 +163,9 @@ class ResilientAgent(NodeAgent):
         # A spare node (beyond the world) starts as a node of parked spares only.
         self._pool = cfg.spares if mine else cfg.nproc_per_node
         self._next_slot = cfg.nproc_per_node if mine else 0
-        self._tail = ConsoleTail(cfg, logs, dict(enumerate(mine)))
+        # (A spare node's rank logs stay unused: its spares log as spares.)
+        self._tail = ConsoleTail(cfg, logs, {r: mine[r] if r < len(mine) else r
+                                             for r in logs.ranks})
         try:
             for local, rank in enumerate(mine):
                 self._spawn_slot(local, logs.ranks[local])
@@ -582,7 +584,9 @@ class ResilientAgent(NodeAgent):
             else:
                 self._tell(slot, self._generation_msg(None))  # retire it
         self._finish_report()
-        rec = Recovery(g.gen, g.reason, detected, decided=time.time(), failed=failed or [])
+        if failed is None:  # another node decided: its record has the details
+            failed = [{"rank": r} for r in g.replaced]
+        rec = Recovery(g.gen, g.reason, detected, decided=time.time(), failed=failed)
         rec.promoted = [{"rank": r, "slot": s, "pid": self._procs[s].worker.pid}
                         for r, s in sorted(placed.promoted.items())]
         self._recovery = rec
