@@ -370,3 +370,70 @@ def test_node_loss_moves_its_ranks_to_spares(workdir, test_env, reference, etcd_
     assert set(promoted) == moved
     assert all(final[r]["pid"] == promoted[r] != first[r] for r in moved)
     assert f"tp-run: node loss: rank(s) {sorted(moved)}" in results[-1][1]
+
+
+def test_rank_failure_across_nodes(workdir, test_env, reference, etcd_server):
+    """etcd, --nnodes 2: a rank SIGKILLed inside the all-reduce is replaced by its own
+    node's spare; the generation goes through etcd to the other node, whose ranks rebuild
+    with it (same pids); the result equals torchrun's."""
+    import uuid
+
+    out = workdir / "out"
+    out.mkdir()
+    env = {**test_env, "OUT": str(out), "OMP_NUM_THREADS": "1"}
+    run_id = f"job-{uuid.uuid4().hex[:8]}"
+    agents = [start_launcher(TP_RUN, [
+        "--nnodes", "2", "--nproc-per-node", "2", "--spares", "1",
+        "--rdzv-backend", "etcd", "--rdzv-endpoint", etcd_server.endpoint,
+        "--rdzv-id", run_id, "--local-addr", f"127.0.0.{node + 2}",
+        "--rdzv-conf", RDZV_CONF, "--monitor-interval", "0.1",
+        SCRIPT, "--steps", str(STEPS), "--kill", "2:7:allreduce"], env, workdir)
+        for node in range(2)]
+    try:
+        results = [(p.wait(timeout=HANG_TIMEOUT), p.communicate()[1]) for p in agents]
+    finally:
+        for p in agents:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for rc, err in results:
+        assert rc == 0, err[-3000:]
+    check_completed(subprocess.CompletedProcess([], 0, "", ""), out, reference, {2})
+    lines = [line for _, err in results for line in err.splitlines() if "tp-run: failure:" in line]
+    assert len(lines) == 2 and all("rank(s) [2]" in line for line in lines), lines
+
+
+def test_node_loss_without_spares_restarts_the_survivors(workdir, test_env, etcd_server):
+    """etcd, --nnodes 1:2, --spare-policy restart: a node dies and nothing parked anywhere
+    can take its two ranks: the survivor restarts its workers (counted) in a new round of
+    one node, as torchrun would, and finishes."""
+    import uuid
+
+    out = workdir / "out"
+    out.mkdir()
+    env = {**test_env, "OUT": str(out), "OMP_NUM_THREADS": "1"}
+    run_id = f"job-{uuid.uuid4().hex[:8]}"
+    conf = RDZV_CONF.replace("last_call_timeout=1", "last_call_timeout=5")
+    agents = [start_launcher(TP_RUN, [
+        "--nnodes", "1:2", "--nproc-per-node", "2", "--spares", "1", "--max-restarts", "1",
+        "--rdzv-backend", "etcd", "--rdzv-endpoint", etcd_server.endpoint,
+        "--rdzv-id", run_id, "--local-addr", f"127.0.0.{node + 2}",
+        "--rdzv-conf", conf, "--monitor-interval", "0.1",
+        SCRIPT, "--steps", str(STEPS), "--hold-at", "8"], env, workdir) for node in range(2)]
+    try:
+        _wait(lambda: all((out / f"held_{r}").exists() for r in range(4)), "4 ranks train")
+        victim, survivor = sorted(agents, key=lambda a: 2 in _ranks(a), reverse=True)
+        _wait(lambda: _parked(survivor) >= 1, "the surviving node parks its spare")
+        victim.kill()
+        victim.communicate()
+        (out / "release").touch()
+        rc, err = survivor.wait(timeout=HANG_TIMEOUT), survivor.communicate()[1]
+    finally:
+        for p in agents:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert rc == 0, err[-3000:]
+    assert "no spare parked for rank(s) [2, 3] (--spare-policy restart)" in err
+    assert "will restart worker group" in err
+    assert [r["step"] for r in finals(out, world=2)] == [STEPS, STEPS]
