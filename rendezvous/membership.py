@@ -28,6 +28,13 @@ Keys
 ``P/r<round>/done/<member>``
     The exit barrier: this member's workers all succeeded.
 
+Resilient mode (``--spares``, :mod:`tp_launch.agent.generations`) adds: the state's
+``resilient`` document (rank -> node of the current generation, written with the
+generation by :meth:`Membership.compare_and_swap_generation`), ``P/parked/<member>``
+(parked spares, on the lease) and ``P/r<round>/finished/<member>`` (the generation in
+which the member's ranks finished). A member beyond the world joins as a spare node
+(:attr:`Membership.accept_spare`) instead of waiting.
+
 One round
 ---------
 1. A member reads ``P/state``. No state, or a closed round it may not join (broken:
@@ -327,12 +334,7 @@ class Membership:
             if phase == "closed":
                 ids = [m["id"] for m in state["participants"]]
                 if self.id in ids and rnd > last_round:
-                    self.world = World(rnd, state["generation"],
-                                       [Member.from_json(m) for m in state["participants"]],
-                                       [Member.from_json(m) for m in state.get("spares", [])],
-                                       self.id, state.get("failures", 0))
-                    self._unwatch_joins()
-                    return self.world
+                    return self._formed(state)
                 if self.id in ids:
                     # Our own old round: we are here to restart it.
                     self._open_round(state, version, f"restart requested by {self.id}", False)
@@ -359,12 +361,7 @@ class Membership:
                     continue
                 spare = spare or self.id in {m["id"] for m in state.get("spares", [])}
                 if spare and self.accept_spare and rnd > last_round:
-                    self.world = World(rnd, state["generation"],
-                                       [Member.from_json(m) for m in state["participants"]],
-                                       [Member.from_json(m) for m in state.get("spares", [])],
-                                       self.id, state.get("failures", 0))
-                    self._unwatch_joins()
-                    return self.world
+                    return self._formed(state)  # a spare node of this world
                 self._wait(deadline, spare, state)
                 continue
             # phase == "joining"
@@ -408,6 +405,15 @@ class Membership:
                 self._wait(deadline, False, state, timeout, count=count)
                 continue
             self._wait(deadline, False, state)
+
+    def _formed(self, state: dict[str, Any]) -> World:
+        """Adopt the closed round in ``state`` as this member's world."""
+        self.world = World(state["round"], state["generation"],
+                           [Member.from_json(m) for m in state["participants"]],
+                           [Member.from_json(m) for m in state.get("spares", [])],
+                           self.id, state.get("failures", 0))
+        self._unwatch_joins()
+        return self.world
 
     def _watch_joins(self, rnd: int) -> None:
         if self._join_watch is not None and self._join_watch[0] == rnd:

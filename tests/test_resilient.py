@@ -15,7 +15,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import psutil
 import pytest
@@ -310,6 +310,47 @@ RDZV_CONF = ("join_timeout=60,last_call_timeout=1,keep_alive_interval=0.5,lease_
              "heartbeat_timeout=3")
 
 
+@contextlib.contextmanager
+def etcd_job(workdir: Path, env: dict[str, str], etcd_server
+             ) -> Iterator[tuple[Callable[..., subprocess.Popen], list[subprocess.Popen], Path]]:
+    """``start(node, *tp_run_args, script_args=...)`` starts one agent of a job over etcd
+    (``--local-addr 127.0.0.<node + 2>``, logs in ``logs<node>``); all are killed on exit."""
+    import uuid
+
+    out = workdir / "out"
+    out.mkdir()
+    env = {**env, "OUT": str(out), "OMP_NUM_THREADS": "1"}
+    run_id = f"job-{uuid.uuid4().hex[:8]}"
+    agents: list[subprocess.Popen] = []
+
+    def start(node: int, *args: str, conf: str = RDZV_CONF,
+              script_args: tuple[str, ...] = ("--hold-at", "8")) -> subprocess.Popen:
+        agents.append(start_launcher(TP_RUN, [
+            "--nproc-per-node", "2", "--rdzv-backend", "etcd",
+            "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", run_id,
+            "--local-addr", f"127.0.0.{node + 2}", "--rdzv-conf", conf,
+            "--monitor-interval", "0.1", "--log-dir", str(workdir / f"logs{node}"), *args,
+            SCRIPT, "--steps", str(STEPS), *script_args], env, workdir))
+        return agents[-1]
+
+    try:
+        yield start, agents, out
+    finally:
+        for p in agents:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+
+
+def exits(agents: list[subprocess.Popen]) -> list[tuple[int, str]]:
+    """(exit status, stderr) of each agent, waiting (bounded) for it."""
+    return [(p.wait(timeout=HANG_TIMEOUT), p.communicate()[1]) for p in agents]
+
+
+def all_held(out: Path) -> bool:
+    return all((out / f"held_{r}").exists() for r in range(4))
+
+
 @pytest.mark.parametrize("spares_on", ["spare node", "surviving node"])
 def test_node_loss_moves_its_ranks_to_spares(workdir, test_env, reference, etcd_server,
                                              spares_on):
@@ -318,28 +359,13 @@ def test_node_loss_moves_its_ranks_to_spares(workdir, test_env, reference, etcd_
     processes parked) or, with no spare node, to the surviving node's parked spares
     (--spares 2). The surviving ranks keep their processes; the result is bit-identical
     to torchrun's failure-free run."""
-    import uuid
-
-    out = workdir / "out"
-    out.mkdir()
-    env = {**test_env, "OUT": str(out), "OMP_NUM_THREADS": "1"}
-    run_id = f"job-{uuid.uuid4().hex[:8]}"
     spares = "1" if spares_on == "spare node" else "2"
-
-    def agent(node: int) -> subprocess.Popen:
-        return start_launcher(TP_RUN, [
-            "--nnodes", "2", "--nproc-per-node", "2", "--spares", spares,
-            "--rdzv-backend", "etcd", "--rdzv-endpoint", etcd_server.endpoint,
-            "--rdzv-id", run_id, "--local-addr", f"127.0.0.{node + 2}",
-            "--rdzv-conf", RDZV_CONF, "--monitor-interval", "0.1",
-            "--log-dir", str(workdir / f"logs{node}"),
-            SCRIPT, "--steps", str(STEPS), "--hold-at", "8"], env, workdir)
-
-    agents = [agent(0), agent(1)]
-    try:
-        _wait(lambda: all((out / f"held_{r}").exists() for r in range(4)), "4 ranks train")
+    with etcd_job(workdir, test_env, etcd_server) as (start, agents, out):
+        for node in range(2):
+            start(node, "--nnodes", "2", "--spares", spares)
+        _wait(lambda: all_held(out), "4 ranks train")
         if spares_on == "spare node":
-            agents.append(agent(2))  # the world has formed: this one is a spare node
+            start(2, "--nnodes", "2", "--spares", spares)  # the world has formed: a spare node
             _wait(lambda: _parked(agents[2]) >= 2, "the spare node parks its processes")
             assert _ranks(agents[2]) == set()
         victim, survivor = sorted(agents[:2], key=lambda a: 2 in _ranks(a), reverse=True)
@@ -350,21 +376,14 @@ def test_node_loss_moves_its_ranks_to_spares(workdir, test_env, reference, etcd_
         victim.kill()
         victim.communicate()
         (out / "release").touch()
-        results = [(p.wait(timeout=HANG_TIMEOUT), p.communicate()[1])
-                   for p in agents if p is not victim]
-    finally:
-        for p in agents:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+        results = exits([p for p in agents if p is not victim])
     for rc, err in results:
         assert rc == 0, err[-3000:]
     final = finals(out)
     assert {r["checksum"] for r in final} == {reference}
     assert all(r["step"] == STEPS for r in final)
     assert all(final[r]["pid"] == first[r] for r in stayed)  # survivors keep their process
-    log_dir = workdir / f"logs{agents.index(receiver)}"
-    (event,) = recoveries(log_dir)  # the receiving node's account of it
+    (event,) = recoveries(workdir / f"logs{agents.index(receiver)}")  # the receiver's account
     assert event["reason"] == "node loss" and sorted(event["failed_ranks"]) == sorted(moved)
     promoted = {p["rank"]: p["pid"] for p in event["promoted"]}
     assert set(promoted) == moved
@@ -376,26 +395,11 @@ def test_rank_failure_across_nodes(workdir, test_env, reference, etcd_server):
     """etcd, --nnodes 2: a rank SIGKILLed inside the all-reduce is replaced by its own
     node's spare; the generation goes through etcd to the other node, whose ranks rebuild
     with it (same pids); the result equals torchrun's."""
-    import uuid
-
-    out = workdir / "out"
-    out.mkdir()
-    env = {**test_env, "OUT": str(out), "OMP_NUM_THREADS": "1"}
-    run_id = f"job-{uuid.uuid4().hex[:8]}"
-    agents = [start_launcher(TP_RUN, [
-        "--nnodes", "2", "--nproc-per-node", "2", "--spares", "1",
-        "--rdzv-backend", "etcd", "--rdzv-endpoint", etcd_server.endpoint,
-        "--rdzv-id", run_id, "--local-addr", f"127.0.0.{node + 2}",
-        "--rdzv-conf", RDZV_CONF, "--monitor-interval", "0.1",
-        SCRIPT, "--steps", str(STEPS), "--kill", "2:7:allreduce"], env, workdir)
-        for node in range(2)]
-    try:
-        results = [(p.wait(timeout=HANG_TIMEOUT), p.communicate()[1]) for p in agents]
-    finally:
-        for p in agents:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+    with etcd_job(workdir, test_env, etcd_server) as (start, agents, out):
+        for node in range(2):
+            start(node, "--nnodes", "2", "--spares", "1",
+                  script_args=("--kill", "2:7:allreduce"))
+        results = exits(agents)
     for rc, err in results:
         assert rc == 0, err[-3000:]
     check_completed(subprocess.CompletedProcess([], 0, "", ""), out, reference, {2})
@@ -407,33 +411,44 @@ def test_node_loss_without_spares_restarts_the_survivors(workdir, test_env, etcd
     """etcd, --nnodes 1:2, --spare-policy restart: a node dies and nothing parked anywhere
     can take its two ranks: the survivor restarts its workers (counted) in a new round of
     one node, as torchrun would, and finishes."""
-    import uuid
-
-    out = workdir / "out"
-    out.mkdir()
-    env = {**test_env, "OUT": str(out), "OMP_NUM_THREADS": "1"}
-    run_id = f"job-{uuid.uuid4().hex[:8]}"
     conf = RDZV_CONF.replace("last_call_timeout=1", "last_call_timeout=5")
-    agents = [start_launcher(TP_RUN, [
-        "--nnodes", "1:2", "--nproc-per-node", "2", "--spares", "1", "--max-restarts", "1",
-        "--rdzv-backend", "etcd", "--rdzv-endpoint", etcd_server.endpoint,
-        "--rdzv-id", run_id, "--local-addr", f"127.0.0.{node + 2}",
-        "--rdzv-conf", conf, "--monitor-interval", "0.1",
-        SCRIPT, "--steps", str(STEPS), "--hold-at", "8"], env, workdir) for node in range(2)]
-    try:
-        _wait(lambda: all((out / f"held_{r}").exists() for r in range(4)), "4 ranks train")
+    with etcd_job(workdir, test_env, etcd_server) as (start, agents, out):
+        for node in range(2):
+            start(node, "--nnodes", "1:2", "--spares", "1", "--max-restarts", "1", conf=conf)
+        _wait(lambda: all_held(out), "4 ranks train")
         victim, survivor = sorted(agents, key=lambda a: 2 in _ranks(a), reverse=True)
         _wait(lambda: _parked(survivor) >= 1, "the surviving node parks its spare")
         victim.kill()
         victim.communicate()
         (out / "release").touch()
-        rc, err = survivor.wait(timeout=HANG_TIMEOUT), survivor.communicate()[1]
-    finally:
-        for p in agents:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+        ((rc, err),) = exits([survivor])
     assert rc == 0, err[-3000:]
     assert "no spare parked for rank(s) [2, 3] (--spare-policy restart)" in err
     assert "will restart worker group" in err
     assert [r["step"] for r in finals(out, world=2)] == [STEPS, STEPS]
+
+
+def test_planned_migration_across_nodes(workdir, test_env, reference, etcd_server):
+    """etcd, --nnodes 2: `tp-run migrate` on one node moves its rank to that node's spare;
+    the boundary step travels with the generation through etcd, so the other node's ranks
+    stop at the same step: nothing is recomputed anywhere."""
+    with etcd_job(workdir, test_env, etcd_server) as (start, agents, out):
+        for node in range(2):
+            start(node, "--nnodes", "2", "--spares", "1")
+        _wait(lambda: all_held(out), "4 ranks train")
+        holder = next(a for a in agents if 3 in _ranks(a))
+        _wait(lambda: _parked(holder) >= 1, "a spare parks")
+        old_pid = next(pid for pid, e in entries(out).items() if e[0][0] == 3)
+        cmd = run_launcher(TP_RUN, ["migrate", "--rank", "3", "--agent-pid", str(holder.pid)],
+                           test_env, workdir)
+        assert cmd.returncode == 0 and "ok: rank 3" in cmd.stdout, cmd.stdout + cmd.stderr
+        time.sleep(1.0)  # the other node hears of the boundary (etcd watch: milliseconds)
+        (out / "release").touch()
+        results = exits(agents)
+    for rc, err in results:
+        assert rc == 0, err[-3000:]
+    final = finals(out)
+    assert {r["checksum"] for r in final} == {reference}
+    assert final[3]["pid"] != old_pid
+    reentries = {e[1] for ranks in entries(out).values() for e in ranks if e[1] > 0}
+    assert len(reentries) == 1, entries(out)

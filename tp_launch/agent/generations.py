@@ -25,7 +25,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from rendezvous import RendezvousInfo
+from rendezvous import RendezvousError, RendezvousInfo
 from rendezvous.kv import KVError
 from rendezvous.store_host import StoreHost
 from tp_launch.agent.control import Generation
@@ -91,9 +91,21 @@ class SharedGenerations:
         self.m = membership
         self._info = info
         self.node = membership.id
-        self._host = StoreHost("", 0)  # the store of the generations this agent publishes
         self._round_store = (info.master_addr, info.master_port)
-        membership.watch_changes()
+        try:
+            self._host = StoreHost("", 0)  # the store of the generations this agent publishes
+        except OSError as e:
+            raise RendezvousError(str(e)) from None
+        try:
+            membership.watch_changes()
+            state, _ = membership.read_state()
+        except KVError as e:
+            self._host.close()
+            raise RendezvousError(f"the rendezvous backend failed: {e}") from None
+        if state is None:
+            self._host.close()
+            raise RendezvousError("the rendezvous state disappeared")
+        self._first = self._generation(state)
 
     @property
     def fd(self) -> int:
@@ -120,9 +132,7 @@ class SharedGenerations:
         return Generation(state["generation"], ranks, self._round_store)
 
     def initial(self) -> Generation:
-        state, _ = self.m.read_state()
-        assert state is not None
-        return self._generation(state)
+        return self._first
 
     def view(self) -> View | None:
         """The job now; None when the backend cannot be read (try again later)."""

@@ -2,25 +2,30 @@
 
 One attempt, on top of the compatible agent (:mod:`tp_launch.agent.node_agent`):
 
-1. Spawn the ranks, each with the agent channel in its environment
+1. Spawn this node's ranks (a spare node, beyond the world: none) and K spares (a spare
+   node: ``--nproc-per-node``), each with the agent channel in its environment
    (:mod:`tp_launch.channel`). A script that never connects (it does not use
-   ``tp_launch.resilient``) is run exactly as torchrun runs it: no spare is started, a
-   failure stops every worker and restarts them (``--max-restarts``).
-2. The first ``hello`` proves the script resilient: start K spares. Each parks in
-   ``run()`` with its model built. Every rank that says hello is told generation 0.
-3. A rank dies (its pidfd is readable at once) -> :class:`~tp_launch.agent.control.World`
-   gives it a parked spare; generation g+1 goes to every rank, the survivors' group
-   collectives fail or their step-boundary hook fires, they rebuild, the newcomer
-   receives the state; the agent starts a new spare. No spare parked: ``--spare-policy``.
-   An error exit at the step of the previous error exit is a crash loop: stop.
-4. Every rank of the current generation reports ``finished``: the agent tells them (and
-   the spares) to exit; exit 0.
+   ``tp_launch.resilient``) is run exactly as torchrun runs it: its spares fail and are
+   given up on, a failure stops every worker and restarts them (``--max-restarts``).
+2. Each spare parks in ``run()`` with its model built; each rank that says hello is told
+   the current generation (:class:`~tp_launch.agent.control.Generation`).
+3. A rank dies (its pidfd is readable at once), or another node is lost (multi-node: its
+   lease expired): :func:`~tp_launch.agent.control.place` finds parked spares for the
+   ranks, the agent publishes generation g+1 (:mod:`tp_launch.agent.generations`: locally,
+   or by compare-and-swap through the rendezvous) and every agent that sees it applies
+   it (:meth:`~tp_launch.agent.control.World.apply`): its ranks are told g+1, their
+   collectives fail or their step-boundary hook fires, they rebuild, the newcomers
+   receive the state; the agent starts new spares. No spare parked anywhere:
+   ``--spare-policy``. An error exit at the step of the previous error exit is a crash
+   loop: stop.
+4. Every rank of the current generation reports ``finished`` (multi-node: on every node
+   of it): the agents tell their ranks and spares to exit; exit 0.
 
 A planned migration (``tp-run migrate --rank R``, through the control socket) is the same
 generation change with a boundary step and a handoff from R to the spare.
 
 Each recovery is one JSON line in ``<run log dir>/recovery.jsonl`` and one line on the
-console.
+console (multi-node: on every node, with that node's ranks' timings).
 """
 
 from __future__ import annotations
@@ -145,16 +150,16 @@ class ResilientAgent(NodeAgent):
         self._waiting_since = 0.0
         self._first_failure: ProcessFailure | None = None
         self._last_view = 0.0
+        membership = getattr(self.rdzv, "membership", None)
+        self._gens: LocalGenerations | SharedGenerations = \
+            SharedGenerations(membership, info) if membership is not None else \
+            LocalGenerations(info)
         board_dir = logs.attempt_dir if os.path.isdir(logs.attempt_dir) else tempfile.mkdtemp()
         self._board = channel.ProgressBoard(os.path.join(board_dir, ".progress"), create=True)
         self._server = self._listen()
         self._sel = selectors.DefaultSelector()
         self._sel.register(watch.fd, selectors.EVENT_READ, ("signal", None))
         self._sel.register(self._server, selectors.EVENT_READ, ("accept", None))
-        membership = getattr(self.rdzv, "membership", None)
-        self._gens: LocalGenerations | SharedGenerations = \
-            SharedGenerations(membership, info) if membership is not None else \
-            LocalGenerations(info)
         if self._gens.fd is not None:
             self._sel.register(self._gens.fd, selectors.EVENT_READ, ("world", None))
         self._gen = self._gens.initial()

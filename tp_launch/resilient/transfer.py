@@ -10,6 +10,10 @@ donors. A donor sends, to each of its receivers in turn:
    each object's non-tensor state, every tensor's path, shape and dtype);
 2. every tensor, one ``send`` each, into a tensor the receiver already holds where path,
    shape and dtype match (a model's parameters: in place, no copy) or into a new one.
+   Small tensors (biases, norms, scalars: under 256 KiB) travel packed, several to one
+   ``send`` of up to 4 MiB (:func:`plan_sends`, computed from the metadata on both
+   sides): each send has a fixed cost that dominates for them (measured: a 10 MB state
+   of 160 tensors moved at 0.1 GB/s one send per tensor).
 
 ``torch.save`` is never on this path: it serialises at a fraction of the link's speed.
 
@@ -20,9 +24,11 @@ group of the retiring rank and its replacement (any state, replicated or not).
 from __future__ import annotations
 
 import logging
+import math
 import pickle
 import time
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,6 +36,9 @@ import torch.distributed as dist
 from tp_launch.resilient.state import State
 
 logger = logging.getLogger(__name__)
+
+_SMALL_BYTES = 256 << 10  # a tensor under this is packed with its neighbours
+_PACK_BYTES = 4 << 20  # at most this much in one packed send
 
 
 @dataclass
@@ -51,6 +60,29 @@ def _recv(pg: dist.ProcessGroup, t: torch.Tensor, src: int) -> None:
     pg.recv([t], src, 0).wait()
 
 
+def plan_sends(specs: Sequence[tuple[tuple[int, ...], str]]) -> list[list[int]]:
+    """Group tensor indices into sends: a large tensor alone; consecutive small tensors
+    of one dtype together, up to ``_PACK_BYTES``. Donor and receiver compute the same
+    plan from the same metadata (shapes and dtype names)."""
+    sends: list[list[int]] = []
+    pack: list[int] = []
+    pack_bytes, pack_dtype = 0, ""
+    for i, (shape, dtype) in enumerate(specs):
+        nbytes = math.prod(shape) * getattr(torch, dtype).itemsize
+        if nbytes >= _SMALL_BYTES:
+            sends.append([i])
+            continue
+        if pack and (dtype != pack_dtype or pack_bytes + nbytes > _PACK_BYTES):
+            sends.append(pack)
+            pack, pack_bytes = [], 0
+        pack.append(i)
+        pack_bytes += nbytes
+        pack_dtype = dtype
+    if pack:
+        sends.append(pack)
+    return sends
+
+
 def send_state(state: State, pg: dist.ProcessGroup, dst: int) -> int:
     """Send the whole state to ``dst`` in ``pg``; returns the tensor bytes sent."""
     meta, tensors = state.snapshot()
@@ -58,9 +90,14 @@ def send_state(state: State, pg: dist.ProcessGroup, dst: int) -> int:
     _send(pg, torch.tensor([blob.numel()], dtype=torch.int64), dst)
     _send(pg, blob, dst)
     sent = 0
-    for t in tensors:
-        t = t.detach()
-        _send(pg, t if t.is_contiguous() else t.contiguous(), dst)
+    for group in plan_sends(meta["specs"]):
+        if len(group) == 1:
+            t = tensors[group[0]].detach()
+            t = t if t.is_contiguous() else t.contiguous()
+        else:
+            device = tensors[group[0]].device
+            t = torch.cat([tensors[i].detach().reshape(-1).to(device) for i in group])
+        _send(pg, t, dst)
         sent += t.numel() * t.element_size()
     return sent
 
@@ -75,8 +112,20 @@ def recv_state(state: State, pg: dist.ProcessGroup, src: int) -> int:
     buffers, to_load = state.receive_buffers(meta)
     got = 0
     with torch.no_grad():
-        for t in buffers:
-            _recv(pg, t, src)
+        for group in plan_sends(meta["specs"]):
+            if len(group) == 1:
+                t = buffers[group[0]]
+                _recv(pg, t, src)
+            else:
+                first = buffers[group[0]]
+                t = torch.empty(sum(buffers[i].numel() for i in group), dtype=first.dtype,
+                                device=first.device)
+                _recv(pg, t, src)
+                offset = 0
+                for i in group:
+                    n = buffers[i].numel()
+                    buffers[i].copy_(t[offset:offset + n].view(buffers[i].shape))
+                    offset += n
             got += t.numel() * t.element_size()
     state.load(meta, buffers, to_load)
     return got
