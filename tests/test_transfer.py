@@ -17,7 +17,7 @@ class Mixed(torch.nn.Module):
 
     def __init__(self, fill: float) -> None:
         super().__init__()
-        self.big = torch.nn.Parameter(torch.full((300, 300), fill))
+        self.big = torch.nn.Parameter(torch.full((600, 600), fill))
         self.small = torch.nn.Parameter(torch.full((7,), fill))
         self.register_buffer("count", torch.arange(5, dtype=torch.int64) * int(fill))
         self.register_buffer("scalar", torch.tensor(fill))
@@ -65,7 +65,7 @@ def test_state_arrives_exact_with_small_tensors_packed():
         p.join(timeout=30)
         assert p.exitcode == 0
     (sent, sd0, mom0, _), (got, sd1, mom1, in_place) = results[0], results[1]
-    assert sent == got > 300 * 300 * 4
+    assert sent == got > 600 * 600 * 4
     assert sd0.keys() == sd1.keys()
     for k in sd0:
         assert torch.equal(sd0[k], sd1[k]), k
@@ -74,10 +74,10 @@ def test_state_arrives_exact_with_small_tensors_packed():
 
 
 def test_plan_packs_small_tensors_by_dtype_and_keeps_large_ones_alone():
-    specs = [((10,), "float32"), ((512, 512), "float32"), ((3,), "float32"),
+    specs = [((10,), "float32"), ((1024, 1024), "float32"), ((3,), "float32"),
              ((4,), "int64"), ((2,), "int64"), ((), "float32"), ((0,), "float32")]
     assert plan_sends(specs) == [[1], [0, 2], [3, 4], [5, 6]]
-    many = [((1000,), "float32")] * 2000  # 4 KB each: packs of at most 4 MiB
+    many = [((1000,), "float32")] * 8000  # 4 KB each: packs of at most 16 MiB
     packs = plan_sends(many)
-    assert sum(map(len, packs)) == 2000 and all(len(p) * 4000 <= 4 << 20 for p in packs)
+    assert sum(map(len, packs)) == 8000 and all(len(p) * 4000 <= 16 << 20 for p in packs)
     assert len(packs) == 2
