@@ -255,7 +255,9 @@ class _Runner:
         stats = transfer.agree_and_transfer(state)
         link.send({"op": "resumed", "gen": gen["gen"], "rank": gen["rank"], "step": stats.step,
                    "handoff_s": t1 - t0, "group_s": t2 - t1, "agree_s": stats.agree_s,
-                   "transfer_s": stats.transfer_s, "bytes": stats.bytes + handoff_bytes,
+                   "transfer_s": stats.transfer_s,
+                   # Received only: a donor's sent bytes are some receiver's received ones.
+                   "bytes": (stats.bytes if stats.donor is not None else 0) + handoff_bytes,
                    "donor": stats.donor, "t": time.time()})
         if link.board is not None:
             link.board.write(link.slot, state.step)
