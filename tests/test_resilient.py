@@ -392,11 +392,13 @@ def test_node_loss_moves_its_ranks_to_spares(workdir, test_env, reference, etcd_
 
 
 def test_rank_failure_across_nodes(workdir, test_env, reference, etcd_server):
-    """etcd, --nnodes 2: a rank SIGKILLed inside the all-reduce is replaced by its own
-    node's spare; the generation goes through etcd to the other node, whose ranks rebuild
-    with it (same pids); the result equals torchrun's."""
+    """etcd, --nnodes 2 and three agents (the last to join is a spare node): a rank
+    SIGKILLed inside the all-reduce is replaced by its own node's spare; the generation
+    goes through etcd to the other node, whose ranks rebuild with it (same pids); the
+    spare node stays parked and leaves when the job completes; the result equals
+    torchrun's."""
     with etcd_job(workdir, test_env, etcd_server) as (start, agents, out):
-        for node in range(2):
+        for node in range(3):
             start(node, "--nnodes", "2", "--spares", "1",
                   script_args=("--kill", "2:7:allreduce"))
         results = exits(agents)
@@ -405,6 +407,9 @@ def test_rank_failure_across_nodes(workdir, test_env, reference, etcd_server):
     check_completed(subprocess.CompletedProcess([], 0, "", ""), out, reference, {2})
     lines = [line for _, err in results for line in err.splitlines() if "tp-run: failure:" in line]
     assert len(lines) == 2 and all("rank(s) [2]" in line for line in lines), lines
+    # One node was a spare node (its spares are slots 0 and 1); it recovered nothing.
+    spare_nodes = [n for n in range(3) if list((workdir / f"logs{n}").glob("*/attempt_0/spare_0"))]
+    assert len(spare_nodes) == 1 and not recoveries(workdir / f"logs{spare_nodes[0]}")
 
 
 def test_node_loss_without_spares_restarts_the_survivors(workdir, test_env, etcd_server):

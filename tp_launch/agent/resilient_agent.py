@@ -589,6 +589,10 @@ class ResilientAgent(NodeAgent):
             else:
                 self._tell(slot, self._generation_msg(None))  # retire it
         self._finish_report()
+        if not world.slot_of and not placed.unplaced:
+            # A spare node the generation left alone: nothing to announce or report.
+            self._write_status()
+            return
         if failed is None:  # another node decided: its record has the details
             failed = [{"rank": r} for r in g.replaced]
         rec = Recovery(g.gen, g.reason, detected, decided=time.time(), failed=failed)
