@@ -311,23 +311,27 @@ RDZV_CONF = ("join_timeout=60,last_call_timeout=1,keep_alive_interval=0.5,lease_
 
 
 @contextlib.contextmanager
-def etcd_job(workdir: Path, env: dict[str, str], etcd_server
+def node_job(workdir: Path, env: dict[str, str], etcd_server, backend: str = "etcd"
              ) -> Iterator[tuple[Callable[..., subprocess.Popen], list[subprocess.Popen], Path]]:
     """``start(node, *tp_run_args, script_args=...)`` starts one agent of a job over etcd
-    (``--local-addr 127.0.0.<node + 2>``, logs in ``logs<node>``); all are killed on exit."""
+    (or c10d on a free port: ``backend``), ``--local-addr 127.0.0.<node + 2>``, logs in
+    ``logs<node>``; all are killed on exit."""
+    from tests.etcd_server import free_port
+
     import uuid
 
     out = workdir / "out"
     out.mkdir()
     env = {**env, "OUT": str(out), "OMP_NUM_THREADS": "1"}
     run_id = f"job-{uuid.uuid4().hex[:8]}"
+    endpoint = etcd_server.endpoint if backend == "etcd" else f"127.0.0.1:{free_port()}"
     agents: list[subprocess.Popen] = []
 
     def start(node: int, *args: str, conf: str = RDZV_CONF,
               script_args: tuple[str, ...] = ("--hold-at", "8")) -> subprocess.Popen:
         agents.append(start_launcher(TP_RUN, [
-            "--nproc-per-node", "2", "--rdzv-backend", "etcd",
-            "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", run_id,
+            "--nproc-per-node", "2", "--rdzv-backend", backend,
+            "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
             "--local-addr", f"127.0.0.{node + 2}", "--rdzv-conf", conf,
             "--monitor-interval", "0.1", "--log-dir", str(workdir / f"logs{node}"), *args,
             SCRIPT, "--steps", str(STEPS), *script_args], env, workdir))
@@ -360,7 +364,7 @@ def test_node_loss_moves_its_ranks_to_spares(workdir, test_env, reference, etcd_
     (--spares 2). The surviving ranks keep their processes; the result is bit-identical
     to torchrun's failure-free run."""
     spares = "1" if spares_on == "spare node" else "2"
-    with etcd_job(workdir, test_env, etcd_server) as (start, agents, out):
+    with node_job(workdir, test_env, etcd_server) as (start, agents, out):
         for node in range(2):
             start(node, "--nnodes", "2", "--spares", spares)
         _wait(lambda: all_held(out), "4 ranks train")
@@ -391,13 +395,14 @@ def test_node_loss_moves_its_ranks_to_spares(workdir, test_env, reference, etcd_
     assert f"tp-run: node loss: rank(s) {sorted(moved)}" in results[-1][1]
 
 
-def test_rank_failure_across_nodes(workdir, test_env, reference, etcd_server):
-    """etcd, --nnodes 2 and three agents (the last to join is a spare node): a rank
+@pytest.mark.parametrize("backend", ["etcd", "c10d"])
+def test_rank_failure_across_nodes(workdir, test_env, reference, etcd_server, backend):
+    """etcd or c10d, --nnodes 2 and three agents (the last to join is a spare node): a rank
     SIGKILLed inside the all-reduce is replaced by its own node's spare; the generation
     goes through etcd to the other node, whose ranks rebuild with it (same pids); the
     spare node stays parked and leaves when the job completes; the result equals
     torchrun's."""
-    with etcd_job(workdir, test_env, etcd_server) as (start, agents, out):
+    with node_job(workdir, test_env, etcd_server, backend) as (start, agents, out):
         for node in range(3):
             start(node, "--nnodes", "2", "--spares", "1",
                   script_args=("--kill", "2:7:allreduce"))
@@ -417,7 +422,7 @@ def test_node_loss_without_spares_restarts_the_survivors(workdir, test_env, etcd
     can take its two ranks: the survivor restarts its workers (counted) in a new round of
     one node, as torchrun would, and finishes."""
     conf = RDZV_CONF.replace("last_call_timeout=1", "last_call_timeout=5")
-    with etcd_job(workdir, test_env, etcd_server) as (start, agents, out):
+    with node_job(workdir, test_env, etcd_server) as (start, agents, out):
         for node in range(2):
             start(node, "--nnodes", "1:2", "--spares", "1", "--max-restarts", "1", conf=conf)
         _wait(lambda: all_held(out), "4 ranks train")
@@ -437,7 +442,7 @@ def test_planned_migration_across_nodes(workdir, test_env, reference, etcd_serve
     """etcd, --nnodes 2: `tp-run migrate` on one node moves its rank to that node's spare;
     the boundary step travels with the generation through etcd, so the other node's ranks
     stop at the same step: nothing is recomputed anywhere."""
-    with etcd_job(workdir, test_env, etcd_server) as (start, agents, out):
+    with node_job(workdir, test_env, etcd_server) as (start, agents, out):
         for node in range(2):
             start(node, "--nnodes", "2", "--spares", "1")
         _wait(lambda: all_held(out), "4 ranks train")
