@@ -122,7 +122,9 @@ def _opt(*names: str, **kwargs: Any) -> Callable:
 @_opt("--spares", default=0, type=click.IntRange(min=0),
       help="tp-run: spare processes per node, parked at tp_launch.resilient.run(); a dead "
       "rank is replaced by one and the survivors keep running (scripts that use "
-      "tp_launch.resilient; others run as under torchrun).")
+      "tp_launch.resilient; others run as under torchrun). Multi-node: give every node "
+      "the same value and use --rdzv-backend etcd; nodes beyond --nnodes MAX are spare "
+      "nodes that take over a lost node's ranks.")
 @_opt("--spare-policy", "--spare_policy", default="restart",
       type=click.Choice(["restart", "wait", "fail"]),
       help="tp-run: when a rank dies and no spare is parked: restart every worker "
