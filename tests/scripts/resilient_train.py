@@ -71,12 +71,24 @@ def wait_parked(count: int) -> None:
         time.sleep(0.05)
 
 
+def together(step: int, where: str) -> None:
+    """Ranks killed at the same point die together: each waits (bounded) until all are
+    there, so that "two ranks at once" does not depend on the machine's load."""
+    peers = [r for r, s, w in KILLS if int(s) == step and w == where]
+    open(os.path.join(OUT, f"ready_{dist.get_rank()}_{step}_{where}"), "w").close()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not all(
+            os.path.exists(os.path.join(OUT, f"ready_{r}_{step}_{where}")) for r in peers):
+        time.sleep(0.01)
+
+
 def maybe_kill(where: str, step: int) -> None:
     rank = dist.get_rank()
     for r, s, w in KILLS:
         if int(r) == rank and int(s) == step and w == where:
             wait_parked(args.parked)
             if once(f"{r}_{s}_{w}"):
+                together(step, where)
                 die()
 
 
