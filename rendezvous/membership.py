@@ -30,7 +30,7 @@ Keys
 
 Resilient mode (``--spares``, :mod:`tp_launch.agent.generations`) adds: the state's
 ``resilient`` document (rank -> node of the current generation, written with the
-generation by :meth:`Membership.compare_and_swap_generation`), ``P/parked/<member>``
+generation by :meth:`Membership.publish_placement`), ``P/parked/<member>``
 (parked spares, on the lease) and ``P/r<round>/finished/<member>`` (the generation in
 which the member's ranks finished). A member beyond the world joins as a spare node
 (:attr:`Membership.accept_spare`) instead of waiting.
@@ -638,25 +638,44 @@ class Membership:
         return [Member.from_json(m) for m in (state or {}).get("spares", [])]
 
     def compare_and_swap_generation(self, expected: int, participants: list[Member],
-                                    spares: list[Member] | None = None,
-                                    placement: dict[str, Any] | None = None) -> bool:
+                                    spares: list[Member] | None = None) -> bool:
         """Publish a new world as generation ``expected + 1`` if the current one is
-        ``expected`` (the fencing token); False if another writer got there first.
+        ``expected`` (the fencing token); False if another writer got there first."""
+        def update(state: dict[str, Any]) -> None:
+            state["participants"] = [m.to_json() for m in participants]
+            if spares is not None:
+                state["spares"] = [m.to_json() for m in spares]
 
-        ``placement`` (resilient mode: which node holds which rank, the store, the
-        replaced ranks) is stored with it as the state's ``resilient`` document."""
+        return self._swap_generation(expected, update)
+
+    def publish_placement(self, expected: int, nodes: list[str],
+                          placement: dict[str, Any]) -> bool:
+        """Resilient mode: generation ``expected + 1`` places the ranks on ``nodes``
+        (member ids, in node rank order): they become the participants, a spare node
+        among them leaves the redundancy list, and ``placement`` (rank -> node, the
+        store, the replaced ranks) is stored as the state's ``resilient`` document.
+        False if the generation is no longer ``expected``."""
+        def update(state: dict[str, Any]) -> None:
+            spares = state.get("spares", [])
+            members = {d["id"]: d for d in state["participants"] + spares}
+            state["participants"] = [members[n] for n in nodes if n in members]
+            state["spares"] = [d for d in spares if d["id"] not in nodes]
+            state["resilient"] = placement
+
+        return self._swap_generation(expected, update)
+
+    def _swap_generation(self, expected: int,
+                         update: Callable[[dict[str, Any]], None]) -> bool:
+        """One compare-and-swap of the state from generation ``expected`` to the next,
+        with ``update`` applied to it; False if the state moved on (or cannot be read)."""
         try:
             state, version = self.read_state()
             if state is None or state.get("generation") != expected or \
                     state["phase"] != "closed" or \
                     (self.world is not None and state["round"] != self.world.round):
                 return False
-            state.update(participants=[m.to_json() for m in participants],
-                         generation=expected + 1)
-            if spares is not None:
-                state["spares"] = [m.to_json() for m in spares]
-            if placement is not None:
-                state["resilient"] = placement
+            update(state)
+            state["generation"] = expected + 1
             return self._write_state(version, state)
         except KVError as e:
             logger.warning("rendezvous: generation swap failed: %s", e)

@@ -31,7 +31,7 @@ from rendezvous.store_host import StoreHost
 from tp_launch.agent.control import Generation
 
 if TYPE_CHECKING:
-    from rendezvous.membership import Member, Membership
+    from rendezvous.membership import Membership
 
 logger = logging.getLogger(__name__)
 
@@ -88,8 +88,7 @@ class SharedGenerations:
     """
 
     def __init__(self, membership: Membership, info: RendezvousInfo) -> None:
-        self.m = membership
-        self._info = info
+        self._m = membership
         self.node = membership.id
         self._round_store = (info.master_addr, info.master_port)
         try:
@@ -109,17 +108,11 @@ class SharedGenerations:
 
     @property
     def fd(self) -> int:
-        return self.m.fd
+        return self._m.fd
 
     @property
     def store(self) -> tuple[str, int]:
-        return self.m.addr, self._host.port
-
-    def _members(self, state: dict) -> dict[str, Member]:
-        from rendezvous.membership import Member
-
-        return {d["id"]: Member.from_json(d)
-                for d in state.get("participants", []) + state.get("spares", [])}
+        return self._m.addr, self._host.port
 
     def _generation(self, state: dict) -> Generation:
         doc = state.get("resilient")
@@ -135,8 +128,10 @@ class SharedGenerations:
         return self._first
 
     def view(self) -> View | None:
-        """The job now; None when the backend cannot be read (try again later)."""
-        m = self.m
+        """The job now; None when the backend cannot be read (try again later).
+        Drains :attr:`fd` first, so a change made while reading pokes it again."""
+        m = self._m
+        m.drain()
         try:
             state, _ = m.read_state()
             alive = m.alive_members()
@@ -156,47 +151,38 @@ class SharedGenerations:
 
     def parked(self) -> dict[str, int]:
         try:
-            return self.m.parked_counts()
+            return self._m.parked_counts()
         except KVError as e:
             logger.warning("rendezvous: cannot read the parked spares: %s", e)
             return {}
 
     def set_parked(self, count: int) -> None:
         try:
-            self.m.set_parked(count)
+            self._m.set_parked(count)
         except KVError as e:
             logger.warning("rendezvous: cannot publish the parked spares: %s", e)
 
     def publish(self, g: Generation) -> bool:
         """Write ``g`` if the job is still at generation ``g.gen - 1``."""
-        try:
-            state, _ = self.m.read_state()
-        except KVError as e:
-            logger.warning("rendezvous: cannot publish generation %s: %s", g.gen, e)
-            return False
-        if state is None:
-            return False
-        members = self._members(state)
-        holders = [members[n] for n in g.nodes if n in members]
-        spares = [s for s in members.values()
-                  if s.id not in g.nodes and s.id in {d["id"] for d in state.get("spares", [])}]
-        return self.m.compare_and_swap_generation(g.gen - 1, holders, spares, g.to_json())
+        return self._m.publish_placement(g.gen - 1, g.nodes, g.to_json())
 
     def mark_finished(self, gen: int) -> None:
+        """This node's ranks finished in ``gen``; the next :meth:`view` may end the job."""
         try:
-            self.m.mark_finished(gen)
+            self._m.mark_finished(gen)
         except KVError as e:
             logger.warning("rendezvous: cannot mark this node finished: %s", e)
+        self._m.poke()  # look at once rather than at the watch's (c10d: polled) pace
 
     def mark_complete(self) -> None:
         try:
-            self.m.mark_complete()
+            self._m.mark_complete()
         except KVError as e:
             logger.warning("rendezvous: cannot mark the job complete: %s", e)
 
     def report_failure(self, detail: str, final: bool) -> None:
-        self.m.report_failure(detail, final)
+        self._m.report_failure(detail, final)
 
     def close(self) -> None:
-        self.m.stop_watching_changes()
+        self._m.stop_watching_changes()
         self._host.close()

@@ -119,7 +119,6 @@ class ResilientAgent(NodeAgent):
         os.makedirs(control_dir(), exist_ok=True)
         self._control_path = os.path.join(control_dir(), f"{os.getpid()}.sock")
         self._no_restart = False
-        self._resilient_exit = False
         return super().run()
 
     def _may_restart(self) -> bool:
@@ -128,7 +127,8 @@ class ResilientAgent(NodeAgent):
     def _exit_barrier(self) -> Any:
         # Resilient ranks met at the generations' own exit barrier (whose nodes follow
         # the placement); a plain script's nodes meet at the rendezvous' as usual.
-        return None if self._resilient_exit else super()._exit_barrier()
+        # (Called after an attempt: _exiting and _resilient are that attempt's.)
+        return None if self._exiting and self._resilient else super()._exit_barrier()
 
     # The compatible agent's run loop calls this once per attempt.
     def _run_attempt(self, info: RendezvousInfo, restart_count: int,
@@ -328,7 +328,6 @@ class ResilientAgent(NodeAgent):
             if self._finished >= set(self._world.slot_of) and not self._unplaced:
                 if isinstance(self._gens, SharedGenerations):
                     self._gens.mark_finished(self._world.gen)  # the others' view ends it
-                    self._gens.m.poke()
                 else:
                     self._end_job()
         elif op == "migrate":
@@ -341,7 +340,6 @@ class ResilientAgent(NodeAgent):
     def _end_job(self) -> None:
         """Every rank finished: past the exit barrier, nothing is left to recover."""
         self._exiting = True
-        self._resilient_exit = self._resilient
         for proc in self._procs.values():
             self._tell(proc.slot, {"op": "exit"})
 
@@ -382,7 +380,6 @@ class ResilientAgent(NodeAgent):
     def _on_world_change(self) -> None:
         """Multi-node: act on what the job's state says now."""
         assert isinstance(self._gens, SharedGenerations)
-        self._gens.m.drain()
         self._last_view = time.monotonic()
         view = self._gens.view()
         if view is None:
@@ -412,9 +409,9 @@ class ResilientAgent(NodeAgent):
             if not self._waiting:
                 logger.warning("node(s) %s lost (lease expired): moving rank(s) %s", lost,
                                sorted(moving))
-            self._recover(moving, time.time())
+            self._recover(moving, time.time(), view)
         elif self._waiting and not self._exiting:
-            self._recover({}, self._waiting_since)  # a spare may have parked elsewhere
+            self._recover({}, self._waiting_since, view)  # a spare may have parked elsewhere
 
     def _on_exits(self, exited: list[Proc]) -> None:
         now = time.time()
@@ -500,26 +497,24 @@ class ResilientAgent(NodeAgent):
 
     # ------------------------------------------------------------------ decisions
 
-    def _recover(self, lost: dict[int, str], detected: float) -> None:
+    def _recover(self, lost: dict[int, str], detected: float,
+                 view: View | None = None) -> None:
         """Ranks lost their process (rank -> the node it was on; this node's own, or a
-        lost node's): publish a generation that gives each a parked spare. A dead
-        process's rank stays on its node if the node has spares; a lost node's ranks go
-        to a spare node first; then to any node with spares."""
+        lost node's): publish a generation that gives each a parked spare. ``view``:
+        the job's state if the caller has just read it (multi-node)."""
         world, g = self._world, self._gen
         lost = {**self._waiting, **lost}
         if not lost:
             return
         local = [r for r, n in lost.items() if n == world.node]
-        failed = [self._failed_record(r) if r in local else {"rank": r, "node": n}
-                  for r, n in sorted(lost.items())]
-        ranks: dict[int, str] | None = g.ranks
+        ranks: dict[int, str] | None = g.ranks  # this node's spares take its dead ranks
         if len(local) < len(lost) or len(world.parked) < len(lost):
-            view = self._gens.view() if isinstance(self._gens, SharedGenerations) else None
-            first = ([world.node] if local else []) + (view.spare_nodes if view else [])
-            ranks = self._place(lost, first, view)
+            ranks = self._place(lost, view)
         if ranks is None:
             self._no_spare(lost, detected)
             return
+        failed = [self._failed_record(r) if r in local else {"rank": r, "node": n}
+                  for r, n in sorted(lost.items())]
         reason = "failure" if local else "node loss"
         new = Generation(g.gen + 1, ranks, self._gens.store, sorted(lost), reason)
         if self._gens.publish(new):
@@ -528,13 +523,14 @@ class ResilientAgent(NodeAgent):
         # else another node published first: its generation comes through the view,
         # and applying it gives this node's dead ranks this node's spares.
 
-    def _place(self, lost: dict[int, str], first: list[str],
-               view: View | None) -> dict[int, str] | None:
-        """Homes for ``lost`` ranks: the nodes in ``first``, then every other live node."""
+    def _place(self, lost: dict[int, str], view: View | None) -> dict[int, str] | None:
+        """Homes for ``lost`` ranks, nodes tried in this order: this node for its own
+        dead ranks, spare nodes (a lost node's ranks), then every other live node."""
         world = self._world
         parked = {world.node: len(world.parked)}
-        order = list(first)
+        order = [world.node] if world.node in lost.values() else []
         if isinstance(self._gens, SharedGenerations):
+            view = view or self._gens.view()
             if view is None:
                 return None
             parked = {**self._gens.parked(), **parked}
