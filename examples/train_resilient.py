@@ -12,6 +12,7 @@ examples/train_resilient.py --steps 300``). It runs unchanged under torchrun.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import hashlib
 import os
 import signal
@@ -35,7 +36,8 @@ def batch(step: int, rank: int, size: int = 32) -> tuple[torch.Tensor, torch.Ten
 def checksum(model: nn.Module) -> str:
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(p.detach().numpy().tobytes())
+        t = p.detach().cpu().contiguous()
+        h.update(ctypes.string_at(t.data_ptr(), t.nbytes))  # the raw bytes (no numpy)
     return h.hexdigest()[:16]
 
 

@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import uuid
+import warnings
 from typing import Any, Callable
 
 import click
@@ -299,6 +300,9 @@ def expand_abbreviations(command: click.Command, argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: click parsing with one-line usage errors."""
+    # torch's CPU wheel does not bring numpy and warns about it when imported; tp-run
+    # needs no numpy, and its errors stay one line.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     _setup_logging()
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["migrate"] and not os.path.exists("migrate"):

@@ -25,6 +25,7 @@ with the committed step and the sha256 of the parameters.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import hashlib
 import json
@@ -67,7 +68,8 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 def checksum(model: nn.Module) -> str:
     h = hashlib.sha256()
     for t in model.state_dict().values():
-        h.update(t.detach().cpu().numpy().tobytes())
+        t = t.detach().cpu().contiguous()
+        h.update(ctypes.string_at(t.data_ptr(), t.nbytes))
     return h.hexdigest()
 
 

@@ -19,6 +19,7 @@ same training runs as a plain torchrun script (the reference run).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import hashlib
 import json
 import os
@@ -129,7 +130,8 @@ model.register_forward_pre_hook(lambda *_: maybe_kill("forward", current[0]))
 def checksum(m: nn.Module) -> str:
     h = hashlib.sha256()
     for t in m.state_dict().values():
-        h.update(t.detach().cpu().numpy().tobytes())
+        t = t.detach().cpu().contiguous()
+        h.update(ctypes.string_at(t.data_ptr(), t.nbytes))
     return h.hexdigest()
 
 

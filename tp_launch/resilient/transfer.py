@@ -24,6 +24,7 @@ group of the retiring rank and its replacement (any state, replicated or not).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 import pickle
@@ -109,7 +110,7 @@ def recv_state(state: State, pg: dist.ProcessGroup, src: int) -> int:
     _recv(pg, size, src)
     blob = torch.empty(int(size.item()), dtype=torch.uint8)
     _recv(pg, blob, src)
-    meta = pickle.loads(blob.numpy().tobytes())
+    meta = pickle.loads(ctypes.string_at(blob.data_ptr(), blob.numel()))
     buffers, to_load = state.receive_buffers(meta)
     got = 0
     with torch.no_grad():
