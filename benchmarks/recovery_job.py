@@ -66,12 +66,12 @@ def maybe_kill(step: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def train(start: int) -> None:
+def train(steps) -> None:  # type: ignore[no-untyped-def]
     # Resilient mode has just agreed the state on every rank: DDP's own broadcast of the
     # parameters from rank 0 would move the whole model again.
     ddp = DDP(model, init_sync=args.mode != "resilient")
     rank = dist.get_rank()
-    for step in range(start, args.steps):
+    for step in steps:
         g = torch.Generator().manual_seed(step * 1000 + rank)
         x = torch.randn(8, width, generator=g)
         loss = ddp(x).square().mean()
@@ -90,7 +90,7 @@ if args.mode == "resilient":
     from tp_launch import resilient
 
     state = resilient.State(model=model, optimizer=opt)
-    resilient.run(lambda s: train(s.step), state)
+    resilient.run(lambda s: train(s.steps(args.steps)), state)
 else:
     # torchrun 2.13's restarts reuse its store and gloo's connectFullMesh may then hang on
     # a dead attempt's address: bound it (the default is 30 min) so the launcher retries.
@@ -104,5 +104,5 @@ else:
         start = ckpt["step"]
         with open(os.path.join(OUT, f"loaded_{dist.get_rank()}"), "w") as f:
             f.write(f"{start} {t0} {time.time()} {os.environ['TORCHELASTIC_RESTART_COUNT']}")
-    train(start)
+    train(range(start, args.steps))
 dist.destroy_process_group()

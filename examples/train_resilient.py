@@ -44,9 +44,8 @@ def checksum(model: nn.Module) -> str:
 def train(state: resilient.State, args: argparse.Namespace) -> None:
     model, opt = state.model, state.optimizer
     ddp = DDP(model)
-    ddp.register_comm_hook(None, resilient.ordered_allreduce_hook)  # bit-exact across rebuilds
     rank = dist.get_rank()
-    for step in range(state.step, args.steps):
+    for step in state.steps(args.steps):
         if rank == args.kill_rank and step == args.kill_step and os.environ.get("TP_RUN_SPARE") != "1":
             while "TP_RUN_CHANNEL" in os.environ and resilient.parked_spares() < 1:
                 time.sleep(0.05)  # demo: make sure a spare is there to take over

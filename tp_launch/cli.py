@@ -133,6 +133,9 @@ def _opt(*names: str, **kwargs: Any) -> Callable:
 @_opt("--spare-wait-timeout", "--spare_wait_timeout", default=300.0,
       type=click.FloatRange(min=0.0),
       help="tp-run: seconds --spare-policy wait waits for a spare before the job fails.")
+@_opt("--verify-every", "--verify_every", default=0, type=click.IntRange(min=0),
+      help="tp-run: every N committed steps the ranks compare a digest of their state "
+      "and stop the job if they differ (0: only after each recovery).")
 @click.argument("training_script", envvar=None)
 @click.argument("training_script_args", nargs=-1, type=click.UNPROCESSED)
 def tp_run(**opts: Any) -> int:
@@ -225,6 +228,7 @@ def config_from_options(opts: dict[str, Any]) -> LaunchConfig:
         spares=opts["spares"],
         spare_policy=opts["spare_policy"],
         spare_wait_timeout=opts["spare_wait_timeout"],
+        verify_every=opts["verify_every"],
     )
 
 

@@ -49,6 +49,8 @@ class LaunchConfig:
         spare_policy: no spare ready when a rank dies: ``restart`` every worker (counted
             against max_restarts, like torchrun), ``wait`` for one up to
             ``spare_wait_timeout`` seconds, or ``fail``.
+        verify_every: resilient mode: compare the ranks' state digests every N
+            committed steps (0: only after each recovery).
     """
 
     min_nodes: int = 1
@@ -90,6 +92,7 @@ class LaunchConfig:
     spares: int = 0
     spare_policy: str = "restart"
     spare_wait_timeout: float = 300.0
+    verify_every: int = 0
 
 
 def parse_nnodes(value: str) -> tuple[int, int]:

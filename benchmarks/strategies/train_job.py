@@ -92,12 +92,12 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     progress = open(os.path.join(out, f"progress_{os.getpid()}.txt"), "a", buffering=1)
 
-    def train(start: int) -> None:
+    def train(steps) -> None:  # type: ignore[no-untyped-def]
         ddp = DDP(model)  # inside: under resilient mode the group is new each time
         if ordered_allreduce_hook is not None:
             ddp.register_comm_hook(None, ordered_allreduce_hook)
         rank = dist.get_rank()
-        for step in range(start, args.steps):
+        for step in steps:
             x, y = batch(step, rank)
             loss = nn.functional.mse_loss(ddp(x), y)
             opt.zero_grad()
@@ -118,7 +118,7 @@ def main() -> None:
 
         state = resilient.State(model=model, optimizer=opt)
         open(os.path.join(out, f"parked_{os.getpid()}"), "w").close()
-        resilient.run(lambda s: train(s.step), state)
+        resilient.run(lambda s: train(s.steps(args.steps)), state)
         final_step = state.step
     else:
         # A bounded timeout: torchrun 2.13 restarts reuse the store, and a restarted
@@ -132,7 +132,7 @@ def main() -> None:
             model.load_state_dict(saved["model"])
             opt.load_state_dict(saved["opt"])
             start = saved["step"]
-        train(start)
+        train(range(start, args.steps))
         final_step = args.steps
     if dist.get_rank() == 0:
         with open(os.path.join(out, "final.json"), "w") as f:

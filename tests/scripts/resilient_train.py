@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import hashlib
+import inspect
 import json
 import os
 import signal
@@ -31,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from tp_launch.resilient.ddp import ordered_allreduce_hook
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=20)
@@ -101,19 +102,25 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Saboteur:
-    """Registered state that kills its process while the state is being moved."""
+    """Registered state that kills its process while the state is being moved (the
+    transfer's functions are on the stack: not a commit's or a rollback's call)."""
 
     def __init__(self) -> None:
         self.entered = 0
 
     def state_dict(self) -> dict:
-        if args.sabotage == "donor" and self.entered > 1 and once("sabotage_donor"):
+        if args.sabotage == "donor" and self.entered > 1 and _in("send_state") \
+                and once("sabotage_donor"):
             die()
         return {"blob": torch.zeros(64)}
 
     def load_state_dict(self, sd: dict) -> None:
-        if args.sabotage == "newcomer" and once("sabotage_newcomer"):
+        if args.sabotage == "newcomer" and _in("recv_state") and once("sabotage_newcomer"):
             die()
+
+
+def _in(function: str) -> bool:
+    return any(f.function == function for f in inspect.stack(0))
 
 
 if args.device == "cuda":  # a spare's LOCAL_RANK is its own (spare) device
@@ -142,12 +149,12 @@ def train(state) -> str:
         f.write(f"{rank} {state.step} {world}\n")
     ddp = DDP(model, device_ids=[DEVICE] if DEVICE is not None else None)
 
-    def comm_hook(_state, bucket):
+    def comm_hook(process_group, bucket):
         maybe_kill("allreduce", current[0])
-        return ordered_allreduce_hook(None, bucket)
+        return allreduce_hook(process_group, bucket)
 
     ddp.register_comm_hook(None, comm_hook)
-    for step in range(state.step, args.steps):
+    for step in steps(state):
         current[0] = step
         if step == args.crash_step:
             raise ValueError(f"deliberate bug at step {step}")
@@ -164,6 +171,10 @@ def train(state) -> str:
         if args.step_sleep:
             time.sleep(args.step_sleep)
     return checksum(model)
+
+
+def steps(state):  # the resilient loop, or a plain range for the reference run
+    return state.steps(args.steps) if hasattr(state, "steps") else range(args.steps)
 
 
 if args.no_resilient:

@@ -150,6 +150,7 @@ class ResilientAgent(NodeAgent):
         self._waiting_since = 0.0
         self._first_failure: ProcessFailure | None = None
         self._last_view = 0.0
+        self._holders: set[int] = set()  # this node's ranks whose process holds the state
         membership = getattr(self.rdzv, "membership", None)
         self._gens: LocalGenerations | SharedGenerations = \
             SharedGenerations(membership, info) if membership is not None else \
@@ -175,6 +176,7 @@ class ResilientAgent(NodeAgent):
             for local, rank in enumerate(mine):
                 self._spawn_slot(local, logs.ranks[local])
                 self._world.slot_of[rank] = local
+                self._holders.add(rank)  # its freshly built (or loaded) state
             for _ in range(self._pool):
                 self._spawn_spare()
             self._write_status()
@@ -197,6 +199,8 @@ class ResilientAgent(NodeAgent):
         env = make_env(cfg, info, slot, self._restart_count, rl.error_file)
         env.update({channel.ENV_SOCKET: self._control_path, channel.ENV_SLOT: str(slot),
                     channel.ENV_PROGRESS: self._board.path})
+        if cfg.verify_every:
+            env[channel.ENV_VERIFY_EVERY] = str(cfg.verify_every)
         argv = worker_argv(cfg, slot)
         try:
             worker = WorkerProcess(argv, env, rl.stdout, rl.stderr, slot)
@@ -315,8 +319,10 @@ class ResilientAgent(NodeAgent):
                 if self._waiting:
                     self._recover({}, self._waiting_since)
                 self._write_status()
-        elif op == "resumed" and self._recovery and msg["gen"] == self._recovery.gen:
-            self._recovery.resumed[msg["rank"]] = msg
+        elif op == "resumed" and msg["gen"] == self._world.gen:
+            self._holders.add(msg["rank"])
+            if self._recovery and msg["gen"] == self._recovery.gen:
+                self._recovery.resumed[msg["rank"]] = msg
         elif op == "stepped" and self._recovery and msg["gen"] == self._recovery.gen:
             self._recovery.stepped.setdefault(msg["rank"], msg["t"])
             self._maybe_report()
@@ -330,12 +336,40 @@ class ResilientAgent(NodeAgent):
                     self._gens.mark_finished(self._world.gen)  # the others' view ends it
                 else:
                     self._end_job()
+        elif op == "fatal":
+            self._on_fatal(msg)
         elif op == "migrate":
             reply = self._migrate(int(msg["rank"]))
             try:
                 channel.send(conn, {"op": "reply", "message": reply})
             except OSError:
                 pass
+
+    def _on_fatal(self, msg: dict[str, Any]) -> None:
+        """A rank found that the job cannot go on exactly: stop it, with that reason."""
+        if self._exiting:
+            return
+        detail = f"rank {msg.get('rank')}: {msg.get('message')}"
+        if msg.get("kind") == "state_lost":
+            self._state_lost(detail)
+        print(f"tp-run: error: {detail}", file=sys.stderr, flush=True)
+        self._report(detail, final=True)
+        stop_workers(self.workers, signal.SIGTERM, self.config.shutdown_timeout)
+        raise StopJob(AttemptResult(change=WorldChange(CHANGE_FAILURE, detail)), final=True)
+
+    def _state_lost(self, detail: str) -> None:
+        """No rank holds the committed state: ``--spare-policy restart`` restarts every
+        worker (the script's own checkpoint applies); otherwise the job stops. Never a
+        start from scratch that looks like a recovery."""
+        restart = self.config.spare_policy == "restart"
+        print(f"tp-run: error: the training state is lost ({detail}); "
+              + ("restarting every worker (--spare-policy restart)" if restart
+                 else f"stopping (--spare-policy {self.config.spare_policy})"),
+              file=sys.stderr, flush=True)
+        self._report(f"training state lost: {detail}", final=not restart)
+        stop_workers(self.workers, signal.SIGTERM, self.config.shutdown_timeout)
+        raise StopJob(AttemptResult(change=WorldChange(CHANGE_FAILURE, detail)),
+                      final=not restart)
 
     def _end_job(self) -> None:
         """Every rank finished: past the exit barrier, nothing is left to recover."""
@@ -513,12 +547,17 @@ class ResilientAgent(NodeAgent):
         if ranks is None:
             self._no_spare(lost, detected)
             return
+        elsewhere = [r for r, n in g.ranks.items() if r not in lost and n != world.node]
+        if not elsewhere and not self._holders - set(lost):
+            self._state_lost(f"rank(s) {sorted(lost)} failed and no other rank held the "
+                             "training state")
         failed = [self._failed_record(r) if r in local else {"rank": r, "node": n}
                   for r, n in sorted(lost.items())]
         reason = "failure" if local else "node loss"
         new = Generation(g.gen + 1, ranks, self._gens.store, sorted(lost), reason)
         if self._gens.publish(new):
             self._waiting = {}
+            self._holders -= set(lost)
             self._apply(new, detected, failed)
         # else another node published first: its generation comes through the view,
         # and applying it gives this node's dead ranks this node's spares.
@@ -566,6 +605,7 @@ class ResilientAgent(NodeAgent):
                failed: list[dict[str, Any]] | None = None) -> None:
         """Take generation ``g`` on this node and announce it to this node's ranks."""
         world = self._world
+        before = dict(world.slot_of)
         placed = world.apply(g, self._alive)
         self._gen = g
         self._unplaced = placed.unplaced
@@ -584,6 +624,9 @@ class ResilientAgent(NodeAgent):
                                                                       "prefix": prefix}))
             else:
                 self._tell(slot, self._generation_msg(None))  # retire it
+        superseded = self._recovery if self._recovery and not self._recovery.resumed else None
+        if superseded is not None:
+            self._recovery = None  # a failure during a recovery: one report for both
         self._finish_report()
         if not world.slot_of and not placed.unplaced:
             # A spare node the generation left alone: nothing to announce or report.
@@ -591,13 +634,24 @@ class ResilientAgent(NodeAgent):
             return
         if failed is None:  # another node decided: its record has the details
             failed = [{"rank": r} for r in g.replaced]
+        if superseded is not None:
+            detected = min(detected, superseded.detected)
+            failed = superseded.failed + [f for f in failed
+                                          if f["rank"] not in {x["rank"] for x in superseded.failed}]
         rec = Recovery(g.gen, g.reason, detected, decided=time.time(), failed=failed)
         rec.promoted = [{"rank": r, "slot": s, "pid": self._procs[s].worker.pid}
                         for r, s in sorted(placed.promoted.items())]
+        if superseded is not None:  # the first newcomers that still hold their rank
+            rec.promoted = sorted([p for p in superseded.promoted
+                                   if world.slot_of.get(p["rank"]) == p["slot"]] + rec.promoted,
+                                  key=lambda p: p["rank"])
         self._recovery = rec
         self._finished.clear()
         for rank, slot in world.slot_of.items():
-            self._tell(slot, self._generation_msg(rank, handoff=handoffs.get(rank)))
+            # A newcomer reads the generator record its rank's previous process left.
+            origin = before.get(rank) if rank in placed.promoted else None
+            self._tell(slot, self._generation_msg(rank, handoff=handoffs.get(rank),
+                                                  from_slot=origin))
         self._spawn_missing_spares()
         self._write_status()
 
@@ -668,6 +722,9 @@ class ResilientAgent(NodeAgent):
             "rebuild_s": max((m["group_s"] for m in resumed), default=None),
             "agree_s": max((m["agree_s"] for m in resumed), default=None),
             "transfer_s": max((m["transfer_s"] for m in resumed), default=None),
+            "verify_s": max((m.get("verify_s", 0.0) for m in resumed), default=None),
+            "inexact": sorted({f"rank {m['rank']}: {what}" for m in resumed
+                               for what in m.get("inexact") or []}),
             "bytes": sum(m["bytes"] for m in resumed),
             "resumed_s": None if resumed_at is None else resumed_at - rec.detected,
             "first_step_s": None if first_step is None or resumed_at is None

@@ -8,20 +8,31 @@ optimizer built) and connects to its agent there. Then, in a loop:
    its socket: no CPU);
 2. build the generation's group (:mod:`tp_launch.resilient.group`), agree on the step
    and receive or send the state (:mod:`tp_launch.resilient.transfer`);
-3. call ``train(state)``. It returns: report ``finished`` and wait for the agent's
-   exit barrier (a failure elsewhere before every rank finished brings a new
-   generation, and this rank, at the final step, becomes a donor). It raises because a
-   newer generation exists (a collective failed when a peer died, or the step-boundary
-   hook saw the announcement): drop the group and go to 2 with the new generation.
-   Any other exception is the script's own: it propagates and the process fails as it
-   would under torchrun (the agent then treats it as a dead rank).
+3. call ``train(state)``. Its loop (``state.steps()``, ``state.epochs()``/``batches()``)
+   commits every iteration that ends (:mod:`tp_launch.resilient.state`), and at each
+   commit this module records the restore point (:mod:`tp_launch.resilient.rollback`),
+   writes the step to the progress board, and checks for a newer generation. ``train``
+   returns: commit the end, report ``finished`` and wait for the agent's exit barrier
+   (a failure elsewhere before every rank finished brings a new generation, and this
+   rank, at the final step, becomes a donor). It raises because a newer generation
+   exists (a collective failed when a peer died, or the commit saw the announcement):
+   drop the iteration in flight and the group, and go to 2 with the new generation,
+   where every rank first goes back to its last commit. Any other exception is the
+   script's own: it propagates and the process fails as it would under torchrun (the
+   agent then treats it as a dead rank).
+
+A rank that finds the job cannot go on exactly (no rank holds the committed state any
+more, the ranks' states differ after a recovery, or the script's loop does not mark its
+iterations) tells the agent (``fatal``) and exits 1; the agent stops the job with that
+one line (a lost state: ``--spare-policy``).
 
 A planned migration's generation names a boundary step: the ranks stop right after
 committing it; the retiring rank hands its state to its replacement over a two-process
 group and exits 0.
 
 Without an agent channel (plain torchrun, or tp-run without ``--spares``) :func:`run`
-initialises the group from the environment and calls ``train(state)`` once.
+initialises the group from the environment and calls ``train(state)`` once; the loops
+are plain counters.
 """
 
 from __future__ import annotations
@@ -39,8 +50,20 @@ from typing import Any, Callable, TypeVar
 import torch.distributed as dist
 
 from tp_launch import channel
-from tp_launch.resilient import group, transfer
-from tp_launch.resilient.state import GenerationChanged, State
+from tp_launch.resilient import group, per_rank, rng
+from tp_launch.resilient.ddp import Layouts
+from tp_launch.resilient.rollback import Rollback
+from tp_launch.resilient.state import GenerationChanged, Hooks, ResilientUsageError, State
+from tp_launch.resilient.transfer import (
+    Carrier,
+    Diverged,
+    StateLost,
+    agree_and_transfer,
+    recv_state,
+    send_state,
+    verify,
+)
+from tp_launch.resilient.wire import EncodeError, WireError, tensor_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +72,10 @@ T = TypeVar("T")
 # How long a rank whose collective failed waits for the agent's new generation before
 # it takes the error for the script's own (the agent announces within milliseconds).
 RECOVERY_WAIT_S = 60.0
+# How long a rank that reported a fatal condition waits to be stopped by its agent.
+_FATAL_WAIT_S = 30.0
+# Module buffers up to this size go into the per-rank record at every commit.
+_RECORD_BUFFERS_MAX = 16 << 20
 
 
 class AgentLink:
@@ -112,6 +139,13 @@ class AgentLink:
     def stale(self) -> bool:
         return self.newer() is not None
 
+    def wait_exit(self, timeout: float) -> None:
+        """Block until the agent says exit (or goes away), at most ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not self._exit and time.monotonic() < deadline:
+                self._cond.wait(deadline - time.monotonic())
+
     def wait(self, timeout: float | None, want_exit: bool = False) -> dict[str, Any] | None:
         """Block until a newer generation (or, with ``want_exit``, the exit) arrives.
 
@@ -132,28 +166,6 @@ class AgentLink:
                 if remaining is not None and remaining <= 0:
                     return None
                 self._cond.wait(remaining)
-
-    def commit_hook(self, state: State) -> Callable[[int], None]:
-        """The per-step hook: publish the step; stop at a boundary if one is due."""
-        board, slot = self.board, self.slot
-
-        def state_rank() -> int:
-            return int(os.environ.get("RANK", "-1"))
-
-        def on_commit(step: int) -> None:
-            if board is not None:
-                board.write(slot, step)
-            if self.report_first_step:
-                self.report_first_step = False
-                self.send({"op": "stepped", "gen": self.current_gen, "rank": state_rank(),
-                           "step": step, "t": time.time()})
-            newer = self._latest
-            if newer is not None and newer["gen"] > self.current_gen:
-                boundary = newer.get("boundary")
-                if boundary is None or step >= boundary:
-                    raise GenerationChanged(f"generation {newer['gen']} at step {step}")
-
-        return on_commit
 
 
 def parked_spares() -> int:
@@ -187,12 +199,47 @@ def run(train: Callable[[State], T], state: State, *, backend: str | None = None
     if link is None:
         if not dist.is_initialized():
             dist.init_process_group(backend, timeout=timeout)
-        state.valid = True
-        return train(state)
+        result = train(state)
+        state.end()
+        return result
     if dist.is_initialized():
         raise RuntimeError("tp_launch.resilient.run() builds the process group itself: "
                            "do not call dist.init_process_group() in a resilient script")
     return _Runner(link, state, backend, timeout).loop(train)
+
+
+class _ResilientHooks(Hooks):
+    """The loop boundaries under an agent: restore point, progress board, generations."""
+
+    def __init__(self, runner: _Runner) -> None:
+        self.r = runner
+        every = os.environ.get(channel.ENV_VERIFY_EVERY, "")
+        self.verify_every = int(every) if every.isdigit() else 0
+
+    def entered(self, state: State) -> None:
+        self.r.rollback.refresh_layout()
+        self.r.rollback.capture()
+
+    def committed(self, state: State) -> None:
+        r, link = self.r, self.r.link
+        r.rollback.capture()
+        r._record(provisional=False)
+        if link.board is not None:
+            link.board.write(link.slot, state.step)
+        if link.report_first_step:
+            link.report_first_step = False
+            link.send({"op": "stepped", "gen": link.current_gen,
+                       "rank": int(os.environ.get("RANK", "-1")), "step": state.step,
+                       "t": time.time()})
+        if self.verify_every and state.step % self.verify_every == 0 and not state.cursor.ended:
+            verify(state)
+
+    def check(self, state: State) -> None:
+        newer = self.r.link.newer()
+        if newer is not None:
+            boundary = newer.get("boundary")
+            if boundary is None or state.step >= boundary:
+                raise GenerationChanged(f"generation {newer['gen']} at step {state.step}")
 
 
 class _Runner:
@@ -202,7 +249,15 @@ class _Runner:
         self.state = state
         self.backend = backend
         self.timeout = timeout or datetime.timedelta(minutes=30)
-        state._on_commit = link.commit_hook(state)
+        self.rollback = Rollback(state, on_step=lambda: self._record(provisional=True))
+        self.layouts = Layouts(lambda: state.cursor.step)
+        self.layouts.install()
+        self.carrier = Carrier.of(state, self.rollback, self.layouts)
+        board = os.environ.get(channel.ENV_PROGRESS)
+        self.record = _open_record(f"{board}.slot{link.slot}", create=True) if board else None
+        # A rank process starts with the state it built (or loaded); a spare holds none.
+        state._holds = os.environ.get("TP_RUN_SPARE") != "1"  # type: ignore[attr-defined]
+        state.hooks = _ResilientHooks(self)
 
     def loop(self, train: Callable[[State], T]) -> T:
         link = self.link
@@ -218,6 +273,7 @@ class _Runner:
                     self._retire(gen)  # not a rank in this generation
                 self._enter(gen)
                 result = train(self.state)
+                self.state.end()
                 link.send({"op": "finished", "gen": gen["gen"], "rank": gen["rank"],
                            "step": self.state.step})
                 announced = link.wait(None, want_exit=True)
@@ -225,6 +281,8 @@ class _Runner:
                     return result  # the group stays up for the script's epilogue
             except GenerationChanged:
                 pass
+            except (StateLost, Diverged, ResilientUsageError, WireError, EncodeError) as e:
+                self._fatal(gen, e)
             except Exception as e:
                 if not _is_communication_error(e) and not link.stale():
                     raise
@@ -233,6 +291,8 @@ class _Runner:
             # Out of the except block the traceback is gone, and with it the frames
             # that held DDP and the old group: teardown can now really drop the group,
             # which is what releases the peers still blocked in it (gloo).
+            self.state.abandon()
+            self.layouts.abandon()
             group.teardown()
             announced = link.wait(RECOVERY_WAIT_S)
             if announced is None:
@@ -252,20 +312,66 @@ class _Runner:
         group.build(store, gen["gen"], gen["rank"], gen["world_size"], self.backend,
                     self.timeout, link.stale)
         t2 = time.monotonic()
-        stats = transfer.agree_and_transfer(state)
-        link.send({"op": "resumed", "gen": gen["gen"], "rank": gen["rank"], "step": stats.step,
-                   "handoff_s": t1 - t0, "group_s": t2 - t1, "agree_s": stats.agree_s,
-                   "transfer_s": stats.transfer_s,
-                   # Received only: a donor's sent bytes are some receiver's received ones.
-                   "bytes": (stats.bytes if stats.donor is not None else 0) + handoff_bytes,
-                   "donor": stats.donor, "t": time.time()})
-        if link.board is not None:
-            link.board.write(link.slot, state.step)
         os.environ.update({"RANK": str(gen["rank"]), "WORLD_SIZE": str(gen["world_size"]),
                            "ROLE_RANK": str(gen["rank"]),
                            "ROLE_WORLD_SIZE": str(gen["world_size"])})
+        fresh = gen.get("reason") == "start"
+        stats = agree_and_transfer(self.carrier, fresh=fresh, predecessor=self._predecessor(gen))
+        self.layouts.keep_buffers = not fresh
+        self.rollback.refresh_layout()
+        self.rollback.capture()
+        link.send({"op": "resumed", "gen": gen["gen"], "rank": gen["rank"], "step": stats.step,
+                   "handoff_s": t1 - t0, "group_s": t2 - t1, "agree_s": stats.agree_s,
+                   "transfer_s": stats.transfer_s, "verify_s": stats.verify_s,
+                   # Received only: a donor's sent bytes are some receiver's received ones.
+                   "bytes": (stats.bytes if stats.donor is not None else 0) + handoff_bytes,
+                   "donor": stats.donor, "inexact": stats.inexact, "t": time.time()})
+        if link.board is not None:
+            link.board.write(link.slot, state.step)
         link._recovering = False
         link.report_first_step = True
+
+    def _record(self, provisional: bool) -> None:
+        """Write this rank's own state (generators, CPU buffers) to its record: at a
+        commit, or provisionally (for the step being committed) at the optimizer step."""
+        if self.record is None:
+            return
+        generators = rng.capture() if provisional else self.rollback.rng
+        if generators is None:
+            return
+        buffers = self.rollback.buffers()
+        data: list[bytes] | None = None
+        if all(b.device.type == "cpu" for b in buffers) and \
+                sum(b.numel() * b.element_size() for b in buffers) <= _RECORD_BUFFERS_MAX:
+            data = [tensor_bytes(b) for b in buffers]
+        step = self.state.step + (1 if provisional else 0)
+        try:
+            self.record.write(step, provisional, per_rank.encode(generators, data))
+        except OSError as e:
+            logger.warning("cannot write this rank's record (%s); recovery of its own "
+                           "state is off", e)
+            self.record = None
+
+    def _predecessor(self, gen: dict[str, Any]) -> Callable[[int], per_rank.Entry | None]:
+        """What the previous process of this rank left on this node, by step."""
+        slot = gen.get("from_slot")
+        board = os.environ.get(channel.ENV_PROGRESS)
+
+        def at(step: int) -> per_rank.Entry | None:
+            if not isinstance(slot, int) or not board:
+                return None
+            record = _open_record(f"{board}.slot{slot}", create=False)
+            if record is None:
+                return None
+            try:
+                return record.at(step)
+            except ValueError as e:
+                logger.warning("the record of slot %s is unreadable: %s", slot, e)
+                return None
+            finally:
+                record.close()
+
+        return at
 
     def _retire(self, gen: dict[str, Any]) -> None:
         """This rank leaves (planned migration): hand the state over, then exit 0."""
@@ -283,10 +389,37 @@ class _Runner:
         pg = dist.ProcessGroupGloo(pstore, 1 if receiver else 0, 2, self.timeout)
         try:
             if receiver:
-                return transfer.recv_state(self.state, pg, 0)
-            return transfer.send_state(self.state, pg, 1)
+                got = recv_state(self.carrier, pg, 0)
+                self.state._holds = True  # type: ignore[attr-defined]
+                return got
+            if not self.rollback.restore():
+                raise StateLost("the retiring rank cannot restore its committed state")
+            return send_state(self.carrier, pg, 1)
         finally:
             del pg
+
+    def _fatal(self, gen: dict[str, Any], e: Exception) -> None:
+        """The job cannot go on exactly: one line, tell the agent, wait to be stopped."""
+        kind = {StateLost: "state_lost", Diverged: "diverged"}.get(type(e), "usage")
+        logger.info("rank %s: %s", gen.get("rank"), e)  # the agent prints the one line
+        try:
+            self.link.send({"op": "fatal", "kind": kind, "message": str(e),
+                            "rank": gen.get("rank"), "gen": gen.get("gen")})
+        except OSError:
+            pass
+        self.link.wait_exit(_FATAL_WAIT_S)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _open_record(path: str, create: bool) -> per_rank.Record | None:
+    try:
+        return per_rank.Record(path, create)
+    except (OSError, ValueError) as e:
+        if create:
+            logger.warning("cannot keep this rank's record at %s: %s", path, e)
+        return None
 
 
 def _is_communication_error(e: BaseException) -> bool:

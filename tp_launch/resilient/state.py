@@ -1,30 +1,47 @@
-"""What survives a failure: the registered training state and its committed step.
+"""What survives a failure: the registered training state and the committed position.
 
-A :class:`State` holds the objects a script registers (a model, an optimizer, an LR
-scheduler, a stateful data loader: anything with ``state_dict``/``load_state_dict``) and
-the **committed step**: the number of optimizer steps taken. The step is committed by a
-hook that runs when the first registered optimizer's ``step()`` returns, so a script
-needs no extra call, and so the state is consistent whenever a collective can fail: a
-data-parallel step has no collective between ``optimizer.step()`` and the next
-iteration's forward pass. (Put the other per-step state updates, such as
-``scheduler.step()``, right after ``optimizer.step()``.)
+A :class:`State` holds the objects a script registers (models, optimizers, LR
+schedulers, a stateful data loader, a GradScaler: anything with ``state_dict`` and
+``load_state_dict``), a few plain values (``extra``) and the **committed position**: how
+many iterations of the training loop have completed (``step``), and for epoch loops
+the epoch and the batch within it.
 
-The same hook is the step boundary of resilient mode: when the agent has announced a
-new generation (a failure elsewhere, or a planned migration whose boundary step has
-been reached), it raises :class:`GenerationChanged` right after the commit, and
-:func:`tp_launch.resilient.run` moves to the new generation.
+The loop itself marks what an iteration is::
 
-For the transfer, each object's ``state_dict()`` is flattened into its tensors (in a
-fixed order, each with its path) and a skeleton holding everything else.
+    for step in state.steps(total):          # or: for epoch in state.epochs(n):
+        ...                                  #         for batch in state.batches(loader):
+                                             #             ...
+
+An iteration is committed when its body has run to the end (the generator is resumed
+for the next one). Whatever happens in the body, the forward and backward passes, the
+optimizer step, the scheduler step, an EMA update, the loss log, is one unit: after a
+failure every rank is at the end of the same committed iteration, never in the middle
+of one. A ``break`` out of the loop commits the iteration it leaves and ends the loop for
+good (a recovery later does not resume it); so does ``train`` returning.
+
+Resilient mode (:func:`tp_launch.resilient.run` under a tp-run agent) hangs its
+bookkeeping on these boundaries (:class:`Hooks`): what to restore if the next
+iteration is abandoned (:mod:`tp_launch.resilient.rollback`), the progress board, and
+the check for a new generation, which is raised as :class:`GenerationChanged` right
+after a commit. Under plain torchrun the loops are plain counters.
+
+Callbacks given to :meth:`State.on_commit` during an iteration run once it is
+committed, and never if it is abandoned: side effects that must happen once per step
+(a loss log, a metrics push) go there.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
+
+from tp_launch.resilient import rng
+from tp_launch.resilient.wire import encode, tensor_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -33,73 +50,83 @@ class GenerationChanged(Exception):
     """Raised at a step boundary: the process group of this generation is obsolete."""
 
 
-@dataclass(frozen=True)
-class _Leaf:
-    """A tensor's place in a skeleton."""
-
-    index: int
+class ResilientUsageError(RuntimeError):
+    """The script uses the resilient API in a way that cannot be recovered exactly."""
 
 
-Path = tuple[Any, ...]
+@dataclass
+class Cursor:
+    """The committed position of the training loop."""
+
+    step: int = 0  # iterations committed (steps() and batches() alike)
+    epoch: int = 0  # epochs committed (epochs())
+    batch: int = 0  # batches committed in the current epoch (batches())
+    pass_done: bool = False  # the current epoch's batches() has ended
+    ended: bool = False  # the loop was left with break, or train returned
+    # The generators' states when the current pass over the data began: resuming in
+    # the middle of it replays the data loader's iter() (which draws a seed) from there.
+    pass_rng: dict[str, Any] | None = None
+
+    def to_tree(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_tree(d: Any) -> Cursor:
+        if not isinstance(d, dict) or not all(
+                type(d.get(k)) is int and d[k] >= 0 for k in ("step", "epoch", "batch")):
+            raise ValueError(f"bad position {str(d)[:80]}")
+        return Cursor(d["step"], d["epoch"], d["batch"], bool(d.get("pass_done")),
+                      bool(d.get("ended")), d.get("pass_rng"))
 
 
-def flatten(tree: Any) -> tuple[Any, list[tuple[Path, torch.Tensor]]]:
-    """Split a state dict into a picklable skeleton and its tensors, with their paths."""
-    leaves: list[tuple[Path, torch.Tensor]] = []
+class Hooks:
+    """What runs at the loop's boundaries. This one (plain torchrun, or no agent) does
+    nothing; :class:`tp_launch.resilient.runtime` installs the resilient one."""
 
-    def walk(node: Any, path: Path) -> Any:
-        if isinstance(node, torch.Tensor):
-            leaves.append((path, node))
-            return _Leaf(len(leaves) - 1)
-        if isinstance(node, dict):
-            return {k: walk(v, (*path, k)) for k, v in node.items()}
-        if isinstance(node, (list, tuple)) and not hasattr(node, "_fields"):
-            return type(node)(walk(v, (*path, i)) for i, v in enumerate(node))
-        return node
+    def entered(self, state: State) -> None:
+        """A loop starts or resumes: the state is a committed one."""
 
-    return walk(tree, ()), leaves
+    def committed(self, state: State) -> None:
+        """An iteration (or, ``break``, a loop) ended: the state is a committed one."""
 
-
-def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
-    """Put tensors back into a skeleton made by :func:`flatten`."""
-    if isinstance(skeleton, _Leaf):
-        return tensors[skeleton.index]
-    if isinstance(skeleton, dict):
-        return {k: unflatten(v, tensors) for k, v in skeleton.items()}
-    if isinstance(skeleton, (list, tuple)) and not hasattr(skeleton, "_fields"):
-        return type(skeleton)(unflatten(v, tensors) for v in skeleton)
-    return skeleton
+    def check(self, state: State) -> None:
+        """After the commit's callbacks: raise GenerationChanged if the job moves on."""
 
 
 class State:
     """The training state that resilient mode keeps alive across failures.
 
     Args:
+        extra: plain values that travel with the state (``state.extra``): None, bools,
+            numbers, strings, bytes, lists, tuples, dicts and tensors.
+        snapshot: when the state at a commit is also copied at the optimizer step, so
+            that an iteration can be rolled back after its optimizer step (a collective
+            after the step failed on every rank): ``"auto"`` (once such a collective
+            has been seen), ``"always"``, ``"never"``. Costs a copy of the parameters
+            and optimizer state per step, in their own memory.
         **objects: objects with ``state_dict()`` and ``load_state_dict()`` (a model
             without its DDP wrapper, optimizers, schedulers, data loaders...), by name;
             they are available as attributes (``state.model``).
-        extra: plain picklable values that travel with the state (``state.extra``).
-
-    ``state.step`` is the committed step: it starts at 0 and grows by one each time the
-    first registered optimizer's ``step()`` returns. Call :meth:`commit` yourself when
-    no optimizer is registered.
     """
 
-    def __init__(self, extra: dict[str, Any] | None = None, **objects: Any) -> None:
+    def __init__(self, extra: dict[str, Any] | None = None, *, snapshot: str = "auto",
+                 **objects: Any) -> None:
         for name, obj in objects.items():
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise TypeError(f"State({name}=...): {type(obj).__name__} has no "
                                 "state_dict()/load_state_dict()")
+        if snapshot not in ("auto", "always", "never"):
+            raise ValueError(f"State(snapshot={snapshot!r}): auto, always or never")
         self.objects: dict[str, Any] = dict(objects)
         self.extra: dict[str, Any] = dict(extra or {})
-        self.step = 0
-        # False until this process holds real training state: a parked spare's freshly
-        # built model must never be taken for the job's state.
-        self.valid = False
-        self._on_commit: Callable[[int], None] | None = None
-        optimizers = [o for o in objects.values() if isinstance(o, torch.optim.Optimizer)]
-        if optimizers:
-            optimizers[0].register_step_post_hook(lambda *_: self.commit())
+        self.snapshot = snapshot
+        self.cursor = Cursor()
+        self.hooks: Hooks = Hooks()
+        self._depth = 0  # how many of our loops' bodies are running
+        self._callbacks: list[Callable[[], Any]] = []
+        self._replaying = False  # epochs() restored the pass's generators: batches() need not
+        self._resume_rng: dict[str, Any] | None = None  # the committed ones, meanwhile
+        self._broken: tuple[list[Callable[[], Any]], bool] | None = None
 
     def __getattr__(self, name: str) -> Any:
         objects = self.__dict__.get("objects", {})
@@ -107,67 +134,253 @@ class State:
             return objects[name]
         raise AttributeError(name)
 
-    def commit(self) -> None:
-        """Mark one more step as done (and let resilient mode stop here if it must)."""
-        self.step += 1
-        if self._on_commit is not None:
-            self._on_commit(self.step)
+    # ------------------------------------------------------------------ the position
 
-    def snapshot(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
-        """The skeleton (step, extra, each object's non-tensor state) and the tensors."""
-        skeletons: dict[str, Any] = {}
-        tensors: list[torch.Tensor] = []
+    @property
+    def step(self) -> int:
+        """Iterations committed so far (settable, e.g. after loading a checkpoint)."""
+        return self.cursor.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.cursor.step = int(value)
+
+    @property
+    def epoch(self) -> int:
+        return self.cursor.epoch
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self.cursor.epoch = int(value)
+
+    @property
+    def batch(self) -> int:
+        """Batches of the current epoch committed so far."""
+        return self.cursor.batch
+
+    @batch.setter
+    def batch(self, value: int) -> None:
+        self.cursor.batch = int(value)
+
+    @property
+    def in_iteration(self) -> bool:
+        return self._depth > 0
+
+    @property
+    def modules(self) -> dict[str, torch.nn.Module]:
+        return {n: o for n, o in self.objects.items() if isinstance(o, torch.nn.Module)}
+
+    @property
+    def optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        return {n: o for n, o in self.objects.items() if isinstance(o, torch.optim.Optimizer)}
+
+    @property
+    def others(self) -> dict[str, Any]:
+        """Registered objects that are neither modules nor optimizers (small state)."""
+        return {n: o for n, o in self.objects.items()
+                if not isinstance(o, (torch.nn.Module, torch.optim.Optimizer))}
+
+    # ------------------------------------------------------------------ the loops
+
+    def steps(self, total: int | None = None) -> Iterator[int]:
+        """Iterate from the committed step to ``total`` (None: until ``break``); each
+        iteration is committed when its body ends."""
+        c = self.cursor
+        if c.ended:
+            return
+        self._entered()
+        while total is None or c.step < total:
+            with _Iteration(self) as it:
+                yield c.step
+            if it.closed:
+                return
+            self._settle_break()
+            c.step += 1
+            self._committed()
+
+    def epochs(self, total: int) -> Iterator[int]:
+        """Iterate from the committed epoch to ``total``; inside, iterate the epoch's
+        data with :meth:`batches`. An epoch is committed when its body ends (after the
+        per-epoch work that follows the batches: evaluation, a scheduler step...)."""
+        c = self.cursor
+        if c.ended:
+            return
+        self._entered()
+        while c.epoch < total:
+            if c.batch == 0 and not c.pass_done:
+                c.pass_rng = rng.capture()
+            elif not c.pass_done and c.pass_rng is not None:
+                # Resuming inside the epoch: replay its start (the loader's iter() draws
+                # a seed) up to the data already trained on; batches() then puts the
+                # committed generators back.
+                self._resume_rng = rng.capture()
+                rng.restore(c.pass_rng)
+                self._replaying = True
+            with _Iteration(self) as it:
+                yield c.epoch
+            if it.closed:
+                return
+            self._settle_break()
+            c.epoch += 1
+            c.batch, c.pass_done, c.pass_rng = 0, False, None
+            self._committed()
+
+    def batches(self, data: Iterable[Any]) -> Iterator[Any]:
+        """Iterate ``data`` (a data loader), one committed iteration per item, from the
+        batch after the last committed one. A data loader registered in this State
+        resumes itself (``StatefulDataLoader``); any other is re-iterated from its
+        start and the committed batches are skipped (read, not trained on)."""
+        c = self.cursor
+        replaying, self._replaying = self._replaying, False
+        resume_rng, self._resume_rng = self._resume_rng, None
+        if c.ended or c.pass_done:
+            if resume_rng is not None:
+                rng.restore(resume_rng)
+            return
+        if c.batch == 0:
+            if c.pass_rng is None:
+                c.pass_rng = rng.capture()
+            self._entered()  # before iter(): its draws belong to the pass
+            it = iter(data)
+        else:
+            committed = resume_rng if replaying else rng.capture()
+            if not replaying and c.pass_rng is not None:
+                rng.restore(c.pass_rng)
+            it = iter(data)
+            if not any(data is o for o in self.objects.values()):
+                for _ in range(c.batch):
+                    next(it, None)
+            if committed is not None:
+                rng.restore(committed)
+            self._entered()
+        while True:
+            try:
+                item = next(it)
+            except StopIteration:
+                c.pass_done = True
+                self.hooks.committed(self)  # in place: a rollback need not re-read the data
+                return
+            with _Iteration(self, ends_pass=True) as body:
+                yield item
+            if body.closed:
+                return
+            self._settle_break()
+            c.step += 1
+            c.batch += 1
+            self._committed()
+
+    def on_commit(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn()`` once the current iteration is committed (never if it is
+        abandoned after a failure). Outside an iteration: at once."""
+        if self._depth == 0:
+            fn()
+        else:
+            self._callbacks.append(fn)
+
+    def _entered(self) -> None:
+        self._settle_break()
+        self.hooks.entered(self)
+
+    def _committed(self) -> None:
+        self.hooks.committed(self)
+        callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn()
+        self.hooks.check(self)
+
+    def _settle_break(self) -> None:
+        """The script went on normally after a ``break`` out of one of the loops: the
+        iteration it left counts (its callbacks run; a data pass is over)."""
+        broken, self._broken = self._broken, None
+        if broken is None:
+            return
+        callbacks, ends_pass = broken
+        if ends_pass:
+            self.cursor.pass_done = True
+        for fn in callbacks:
+            fn()
+
+    def abandon(self) -> None:
+        """The iteration in flight failed: forget what it would have committed."""
+        self._depth = 0
+        self._callbacks = []
+        self._broken = None
+        self._replaying = False
+        self._resume_rng = None
+
+    def end(self) -> None:
+        """Training is over on this rank (``train`` returned): commit the end."""
+        self._settle_break()
+        self.cursor.ended = True
+        self.hooks.committed(self)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything registered, the position and ``extra``: for the script's own
+        checkpoints (``torch.save(state.state_dict(), path)``)."""
+        # A loaded checkpoint resumes the loop: "train() returned" is this run's only.
+        cursor = {**self.cursor.to_tree(), "ended": False}
+        return {"cursor": cursor, "extra": self.extra,
+                "objects": {n: o.state_dict() for n, o in self.objects.items()}}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.cursor = Cursor.from_tree(sd["cursor"])
+        self.extra = dict(sd["extra"])
         for name, obj in self.objects.items():
-            skeleton, leaves = flatten(obj.state_dict())
-            skeletons[name] = (skeleton, [p for p, _ in leaves], len(tensors))
-            tensors.extend(t for _, t in leaves)
-        meta = {"step": self.step, "extra": self.extra, "objects": skeletons,
-                "specs": [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in tensors]}
-        return meta, tensors
+            obj.load_state_dict(sd["objects"][name])
 
-    def receive_buffers(self, meta: dict[str, Any]) -> tuple[list[torch.Tensor], set[str]]:
-        """Tensors to receive ``meta``'s state into: this process's own tensors where
-        path, shape and dtype match (received in place), new ones elsewhere.
-
-        Returns the buffers and the names of the objects that need ``load_state_dict``.
-        """
-        buffers: list[torch.Tensor] = []
-        to_load: set[str] = set()
-        for name, (_skeleton, paths, _start) in meta["objects"].items():
-            obj = self.objects.get(name)
-            if obj is None:
-                raise RuntimeError(f"the donor's state has {name!r}, this process's does not")
-            own = dict(flatten(obj.state_dict())[1]) if isinstance(obj, torch.nn.Module) else {}
-            in_place = True
-            for path in paths:
-                shape, dtype = meta["specs"][len(buffers)]
-                dtype = getattr(torch, dtype)
-                mine = own.get(path)
-                if (mine is not None and tuple(mine.shape) == tuple(shape)
-                        and mine.dtype == dtype and mine.is_contiguous()):
-                    buffers.append(mine)
-                else:
-                    device = mine.device if mine is not None else _default_device(obj)
-                    buffers.append(torch.empty(shape, dtype=dtype, device=device))
-                    in_place = False
-            if not (in_place and isinstance(obj, torch.nn.Module)):
-                to_load.add(name)
-        return buffers, to_load
-
-    def load(self, meta: dict[str, Any], buffers: list[torch.Tensor], to_load: set[str]) -> None:
-        """Adopt received state: step, extra, and ``load_state_dict`` where needed."""
-        for name in to_load:
-            skeleton, _paths, start = meta["objects"][name]
-            self.objects[name].load_state_dict(unflatten(skeleton, buffers[start:]))
-        self.step = meta["step"]
-        self.extra = meta["extra"]
-        self.valid = True
+    def digest(self, buffers: bool = True) -> str:
+        """A hash of the whole state (position, extra, every registered object): equal
+        on two ranks exactly when their states are bit-identical. ``buffers=False``
+        leaves out the modules' buffers, which differ between DDP ranks between two
+        forward passes (each rank's BatchNorm statistics are its own until DDP
+        broadcasts rank 0's)."""
+        objects = {}
+        for name, obj in self.objects.items():
+            sd = obj.state_dict()
+            if not buffers and isinstance(obj, torch.nn.Module):
+                own = {n for n, _ in obj.named_buffers()}
+                sd = {k: v for k, v in sd.items() if k not in own}
+            objects[name] = sd
+        tree = {"cursor": {k: v for k, v in self.cursor.to_tree().items() if k != "pass_rng"},
+                "extra": self.extra, "objects": objects}
+        return digest_tree(tree)
 
 
-def _default_device(obj: Any) -> torch.device:
-    """Where an object keeps its tensors (an optimizer: its first parameter's device)."""
-    if isinstance(obj, torch.optim.Optimizer):
-        for group in obj.param_groups:
-            for p in group["params"]:
-                return p.device
-    return torch.device("cpu")
+def digest_tree(tree: Any) -> str:
+    """blake2b of a tree's typed structure and its tensors' bytes."""
+    doc, tensors = encode(tree)
+    h = hashlib.blake2b(digest_size=16)
+    h.update(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode())
+    for t in tensors:
+        h.update(f"{tuple(t.shape)}{t.dtype}".encode())
+        h.update(tensor_bytes(t))
+    return h.hexdigest()
+
+
+class _Iteration:
+    """The body of one iteration of State's loops. A ``GeneratorExit`` at the ``yield``
+    is either a ``break`` or an exception unwinding through the loop: Python closes the
+    generator in both cases before anyone can tell them apart, so the iteration is kept
+    aside (``State._broken``): the next boundary settles it as a break, a failure
+    (``State.abandon``) drops it."""
+
+    def __init__(self, state: State, ends_pass: bool = False) -> None:
+        self.state = state
+        self.ends_pass = ends_pass
+        self.closed = False
+
+    def __enter__(self) -> _Iteration:
+        self.state._depth += 1
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        state = self.state
+        state._depth -= 1
+        if exc_type is GeneratorExit:
+            state._broken = (state._callbacks, self.ends_pass)
+            state._callbacks = []
+            self.closed = True
+            return True
+        return False

@@ -1,46 +1,72 @@
-"""Agree on the step, then move the state peer to peer, tensor by tensor, in place.
+"""Agree on the committed state, then move it peer to peer, tensor by tensor, in place.
 
-After a new group is built, every rank all-gathers its committed step (-1: holds no
-state, a promoted spare). For replicated (data-parallel) state the highest committed
-step wins: ranks at it are donors, every other rank receives. Receivers are spread over
-the donors round-robin, so several newcomers are served in parallel by different
-donors. A donor sends, to each of its receivers in turn:
+After a new group is built every rank brings itself back to its last commit
+(:mod:`tp_launch.resilient.rollback`) and all-gathers what it holds: its committed
+step (-1: nothing, a promoted spare, or a rank whose commit cannot be restored) and a
+digest of its random generators. For replicated (data-parallel) state the highest
+committed step wins: the ranks at it are the donors, every other rank receives.
+Receivers are spread over the donors round-robin, so several newcomers are served in
+parallel by different donors.
 
-1. the length of the pickled metadata (one int64) and the metadata (step, extra values,
-   each object's non-tensor state, every tensor's path, shape and dtype);
-2. every tensor, one ``send`` each, into a tensor the receiver already holds where path,
-   shape and dtype match (a model's parameters: in place, no copy) or into a new one.
-   Small tensors (biases, norms, small layers: under 1 MiB) travel packed, several to
-   one ``send`` of up to 16 MiB (:func:`plan_sends`, computed from the metadata on both
-   sides): each send has a fixed cost that dominates for them (measured with
-   ``benchmarks/recovery.py``: a 10 MB state of small layers took 123 ms one send per
-   tensor, 30 ms packed).
+* No rank holds a state in the job's first generation: a fresh start, every rank's own
+  state is the state (they must agree on the step: a checkpoint loaded by some ranks
+  only is an error). In any later generation it means every rank that held the state
+  died (or cannot roll back): :class:`StateLost`, never a silent start from scratch.
+* What is one rank's own (:mod:`tp_launch.resilient.per_rank`: random generators the
+  ranks seeded differently, module buffers between two forward passes) is told apart
+  by comparing the holders' digests of it. A receiver keeps its own (a survivor whose
+  last commit is the agreed step) or takes its predecessor's record on this node; if
+  neither is at the agreed step, the rank says so (a warning, ``inexact`` in the
+  recovery record).
 
-``torch.save`` is never on this path: it serialises at a fraction of the link's speed.
+What a donor sends (:func:`send_state`, in :mod:`tp_launch.resilient.wire`'s format, no
+pickle): the position, ``extra``, every registered object's ``state_dict()``, the
+random generators, which parameters had a gradient, the modules' training flags, and
+the DDP bucket layouts (:mod:`tp_launch.resilient.ddp`). The receiver takes each tensor
+into its own where path, shape and dtype match (a model's parameters and buffers: in
+place, no copy), into a new one elsewhere (an optimizer's state on a fresh spare), then
+calls ``load_state_dict`` where it must.
 
-The same two functions serve a planned migration's handoff, over a two-process gloo
-group of the retiring rank and its replacement (any state, replicated or not).
+The same two functions serve a planned migration's handoff, over a two-process group
+of the retiring rank and its replacement (any state, replicated or not).
 """
 
 from __future__ import annotations
 
-import ctypes
+import hashlib
 import logging
-import math
-import pickle
 import time
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from tp_launch.resilient.state import State
+from tp_launch.resilient import per_rank, rng
+from tp_launch.resilient.ddp import Layouts
+from tp_launch.resilient.rollback import Rollback
+from tp_launch.resilient.state import Cursor, State, digest_tree
+from tp_launch.resilient.wire import (
+    DTYPES,
+    Leaf,
+    WireError,
+    fill,
+    leaves,
+    receive_document,
+    receive_tensors,
+    send_message,
+    tensor_bytes,
+)
 
 logger = logging.getLogger(__name__)
 
-_SMALL_BYTES = 1 << 20  # a tensor under this is packed with its neighbours
-_PACK_BYTES = 16 << 20  # at most this much in one packed send
+
+class StateLost(RuntimeError):
+    """No rank can provide the committed state exactly: the job must not go on."""
+
+
+class Diverged(RuntimeError):
+    """Ranks that should hold identical state do not."""
 
 
 @dataclass
@@ -50,119 +76,291 @@ class TransferStats:
     step: int = 0
     agree_s: float = 0.0
     transfer_s: float = 0.0
+    verify_s: float = 0.0
     bytes: int = 0
     donor: int | None = None  # the rank this one received from
+    inexact: list[str] = field(default_factory=list)  # per-rank generators lost
 
 
-def _send(pg: dist.ProcessGroup, t: torch.Tensor, dst: int) -> None:
-    pg.send([t], dst, 0).wait()
+@dataclass
+class Carrier:
+    """Everything of this rank that the state transfer reads and writes."""
+
+    state: State
+    rollback: Rollback
+    layouts: Layouts
+    initial_rng: rng.RngState  # the generators when run() began (to tell unused ones)
+    initial_buffers: int  # digest of the modules' buffers when run() began
+    per_rank_generators: set[str] = field(default_factory=set)  # known at the fresh start
+
+    @staticmethod
+    def of(state: State, rollback: Rollback | None = None,
+           layouts: Layouts | None = None) -> Carrier:
+        """A carrier for ``state`` as it is now (when run() begins)."""
+        rollback = rollback or Rollback(state)
+        layouts = layouts or Layouts(lambda: state.cursor.step)
+        buffers = [b for m in state.modules.values() for b in _persistent_buffers(m)]
+        return Carrier(state, rollback, layouts, rng.capture(), buffers_digest(buffers))
+
+    def tree(self) -> dict[str, Any]:
+        """The committed state as one tree (call after a successful rollback)."""
+        s, rb = self.state, self.rollback
+        return {"cursor": s.cursor.to_tree(), "extra": s.extra,
+                "objects": {n: o.state_dict() for n, o in s.objects.items()},
+                "rng": rb.rng if rb.rng is not None else rng.capture(),
+                "grads": rb.gradients(), "modes": rb.modes(),
+                "layouts": self.layouts.to_tree(),
+                "per_rank_generators": sorted(self.per_rank_generators)}
 
 
-def _recv(pg: dist.ProcessGroup, t: torch.Tensor, src: int) -> None:
-    pg.recv([t], src, 0).wait()
+# ---------------------------------------------------------------- send / receive
 
 
-def plan_sends(specs: Sequence[tuple[tuple[int, ...], str]]) -> list[list[int]]:
-    """Group tensor indices into sends: a large tensor alone; consecutive small tensors
-    of one dtype together, up to ``_PACK_BYTES``. Donor and receiver compute the same
-    plan from the same metadata (shapes and dtype names)."""
-    sends: list[list[int]] = []
-    pack: list[int] = []
-    pack_bytes, pack_dtype = 0, ""
-    for i, (shape, dtype) in enumerate(specs):
-        nbytes = math.prod(shape) * getattr(torch, dtype).itemsize
-        if nbytes >= _SMALL_BYTES:
-            sends.append([i])
+def _p2p(pg: dist.ProcessGroup, peer: int, receive: bool):  # type: ignore[no-untyped-def]
+    if receive:
+        return lambda t: pg.recv([t], peer, 0).wait()
+    return lambda t: pg.send([t], peer, 0).wait()
+
+
+def send_state(carrier: Carrier, pg: dist.ProcessGroup, dst: int) -> int:
+    """Send the committed state to ``dst`` in ``pg``; returns the tensor bytes sent."""
+    return send_message(carrier.tree(), _p2p(pg, dst, receive=False))
+
+
+def recv_state(carrier: Carrier, pg: dist.ProcessGroup, src: int) -> int:
+    """Receive a committed state from ``src`` in ``pg`` and adopt it; returns bytes.
+
+    Raises:
+        WireError: the message is malformed, or not a state of this script.
+    """
+    recv = _p2p(pg, src, receive=True)
+    tree, specs = receive_document(recv)
+    if not isinstance(tree, dict) or not {"cursor", "extra", "objects", "rng"} <= set(tree):
+        raise WireError("the message is not a training state")
+    state = carrier.state
+    objects = tree["objects"]
+    if not isinstance(objects, dict) or set(objects) != set(state.objects):
+        raise WireError(f"the sender's state has objects {sorted(map(str, objects))}, "
+                        f"this process's has {sorted(state.objects)}")
+    own: dict[tuple[Any, ...], torch.Tensor] = {}
+    for name, module in state.modules.items():
+        own.update({("objects", name, k): v for k, v in module.state_dict().items()})
+    buffers: list[torch.Tensor | None] = [None] * len(specs)
+    in_place: dict[str, bool] = {name: True for name in state.modules}
+    placed = leaves(tree)
+    if sorted(leaf.index for _, leaf in placed) != list(range(len(specs))):
+        raise WireError("the document's tensors and declarations disagree")
+    for path, leaf in placed:
+        spec = specs[leaf.index]
+        mine = own.get(path)
+        if mine is not None and tuple(mine.shape) == spec.shape \
+                and mine.dtype == DTYPES[spec.dtype] and mine.is_contiguous():
+            buffers[leaf.index] = mine
             continue
-        if pack and (dtype != pack_dtype or pack_bytes + nbytes > _PACK_BYTES):
-            sends.append(pack)
-            pack, pack_bytes = [], 0
-        pack.append(i)
-        pack_bytes += nbytes
-        pack_dtype = dtype
-    if pack:
-        sends.append(pack)
-    return sends
-
-
-def send_state(state: State, pg: dist.ProcessGroup, dst: int) -> int:
-    """Send the whole state to ``dst`` in ``pg``; returns the tensor bytes sent."""
-    meta, tensors = state.snapshot()
-    blob = torch.frombuffer(bytearray(pickle.dumps(meta)), dtype=torch.uint8)
-    _send(pg, torch.tensor([blob.numel()], dtype=torch.int64), dst)
-    _send(pg, blob, dst)
-    sent = 0
-    for group in plan_sends(meta["specs"]):
-        if len(group) == 1:
-            t = tensors[group[0]].detach()
-            t = t if t.is_contiguous() else t.contiguous()
-        else:
-            device = tensors[group[0]].device
-            t = torch.cat([tensors[i].detach().reshape(-1).to(device) for i in group])
-        _send(pg, t, dst)
-        sent += t.numel() * t.element_size()
-    return sent
-
-
-def recv_state(state: State, pg: dist.ProcessGroup, src: int) -> int:
-    """Receive the whole state from ``src`` in ``pg`` into ``state``; returns bytes."""
-    size = torch.zeros(1, dtype=torch.int64)
-    _recv(pg, size, src)
-    blob = torch.empty(int(size.item()), dtype=torch.uint8)
-    _recv(pg, blob, src)
-    meta = pickle.loads(ctypes.string_at(blob.data_ptr(), blob.numel()))
-    buffers, to_load = state.receive_buffers(meta)
-    got = 0
-    with torch.no_grad():
-        for group in plan_sends(meta["specs"]):
-            if len(group) == 1:
-                t = buffers[group[0]]
-                _recv(pg, t, src)
-            else:
-                first = buffers[group[0]]
-                t = torch.empty(sum(buffers[i].numel() for i in group), dtype=first.dtype,
-                                device=first.device)
-                _recv(pg, t, src)
-                offset = 0
-                for i in group:
-                    n = buffers[i].numel()
-                    buffers[i].copy_(t[offset:offset + n].view(buffers[i].shape))
-                    offset += n
-            got += t.numel() * t.element_size()
-    state.load(meta, buffers, to_load)
+        if len(path) >= 2 and path[0] == "objects" and path[1] in in_place:
+            in_place[path[1]] = False
+        device = mine.device if mine is not None else _device_of(state, path)
+        buffers[leaf.index] = torch.empty(spec.shape, dtype=DTYPES[spec.dtype], device=device)
+    got = receive_tensors(specs, buffers, recv)  # type: ignore[arg-type]
+    _adopt(carrier, fill(tree, buffers), in_place)
     return got
 
 
-def agree_and_transfer(state: State) -> TransferStats:
-    """On the current default group: agree on the step and bring every rank to it."""
+def _adopt(carrier: Carrier, tree: dict[str, Any], in_place: dict[str, bool]) -> None:
+    state = carrier.state
+    try:
+        for name, obj in state.objects.items():
+            sd = tree["objects"][name]
+            if isinstance(obj, torch.nn.Module) and in_place.get(name) \
+                    and set(sd) == set(obj.state_dict()) \
+                    and all(isinstance(v, torch.Tensor) for v in sd.values()):
+                continue  # every tensor arrived in place
+            obj.load_state_dict(sd)
+        state.cursor = Cursor.from_tree(tree["cursor"])
+        state.extra = dict(tree["extra"])
+        rng.restore(tree["rng"])
+        carrier.rollback.adopt(tree.get("grads", {}), tree.get("modes", {}))
+        carrier.layouts.adopt(tree.get("layouts", {}))
+        carrier.per_rank_generators = {g for g in tree.get("per_rank_generators", [])
+                                       if g in rng.GENERATORS}
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise WireError(f"the received state does not fit this script's: {e}") from None
+
+
+def _device_of(state: State, path: tuple[Any, ...]) -> torch.device:
+    """Where a received tensor without a counterpart here goes: an optimizer's state
+    on its parameters' device, anything else on the CPU."""
+    if len(path) >= 2 and path[0] == "objects":
+        obj = state.objects.get(path[1])
+        if isinstance(obj, torch.optim.Optimizer):
+            for group in obj.param_groups:
+                for p in group["params"]:
+                    return p.device
+        if isinstance(obj, torch.nn.Module):
+            for p in obj.parameters():
+                return p.device
+    return torch.device("cpu")
+
+
+# ---------------------------------------------------------------- the agreement
+
+
+Predecessor = Callable[[int], Optional[per_rank.Entry]]
+
+
+def agree_and_transfer(carrier: Carrier, fresh: bool,
+                       predecessor: Predecessor | None = None) -> TransferStats:
+    """On the current default group: agree on the committed state and bring every rank
+    to it, then check that the ranks hold the same replicated state.
+
+    Args:
+        carrier: this rank's state.
+        fresh: the job's first generation (no rank can have received anything yet).
+        predecessor: a newcomer's access to what its rank's previous process recorded
+            on this node (:mod:`tp_launch.resilient.per_rank`), by step.
+
+    Raises:
+        StateLost: no rank can provide the committed state exactly.
+        Diverged: after the transfer, ranks' states differ.
+    """
     rank, world = dist.get_rank(), dist.get_world_size()
     pg = dist.distributed_c10d._get_default_group()
+    state, rollback = carrier.state, carrier.rollback
     t0 = time.monotonic()
-    mine = torch.tensor([state.step if state.valid else -1], dtype=torch.int64)
-    gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(gathered, mine)
-    steps = [int(s.item()) for s in gathered]
+    held = bool(getattr(state, "_holds", False))
+    holds = fresh or (held and rollback.restore())
+    own = rollback.rng if rollback.rng is not None else rng.capture()
+    words = rng.digests(own)
+    initial = rng.digests(carrier.initial_rng)
+    used = sum(1 << i for i, g in enumerate(rng.GENERATORS) if words[g] != initial[g])
+    buffers = _buffers_digest(rollback.committed_buffers())
+    used |= (buffers != carrier.initial_buffers) << _BUFFERS_BIT
+    mine = torch.tensor([state.step if holds else -1, state.step if held else -1, used,
+                         buffers,
+                         *(words[g] for g in rng.GENERATORS)], dtype=torch.int64)
+    width = mine.numel()
+    gathered = torch.zeros(world * width, dtype=torch.int64)
+    dist.all_gather_single(gathered, mine)
+    rows = gathered.view(world, width).tolist()
+    steps = [r[0] for r in rows]
     top = max(steps)
     stats = TransferStats(step=top, agree_s=time.monotonic() - t0)
-    if top < 0:
-        # Nobody holds state (a fresh start): every rank's freshly built state is it.
-        state.valid = True
-        state.step = 0
-        stats.step = 0
+    if fresh:
+        if len(set(steps)) > 1:
+            raise StateLost("the ranks start at different steps "
+                            f"({dict(enumerate(steps))}): load the same checkpoint everywhere")
+        # Every rank is here: which generators were seeded differently is known now.
+        carrier.per_rank_generators = {
+            g for i, g in enumerate(rng.GENERATORS)
+            if len({row[_ROW_GENERATORS + i] for row in rows}) > 1}
+        state._holds = True  # type: ignore[attr-defined]
         return stats
+    if top < 0:
+        raise StateLost("no rank holds the training state any more (every rank that "
+                        "held it failed, or was cut off after its optimizer step)")
     donors = [r for r, s in enumerate(steps) if s == top]
-    plan = {r: donors[i % len(donors)] for i, r in enumerate(r for r, s in enumerate(steps) if s != top)}
+    receivers = [r for r, s in enumerate(steps) if s != top]
+    plan = {r: donors[i % len(donors)] for i, r in enumerate(receivers)}
     t1 = time.monotonic()
     if rank in plan:
+        own_buffers = [b.clone() if b is not None else None
+                       for b in rollback.committed_buffers()]
         stats.donor = plan[rank]
-        stats.bytes = recv_state(state, pg, plan[rank])
+        stats.bytes = recv_state(carrier, pg, plan[rank])
+        mine_at_top = None
+        if rows[rank][1] == top:
+            mine_at_top = per_rank.Entry(top, False, own, own_buffers)  # type: ignore[arg-type]
+        elif predecessor is not None:
+            mine_at_top = predecessor(top)
+        stats.inexact = _own_state(carrier, rows, donors, own, mine_at_top)
     else:
         for receiver, donor in plan.items():
             if donor == rank:
-                stats.bytes += send_state(state, pg, receiver)
+                stats.bytes += send_state(carrier, pg, receiver)
     stats.transfer_s = time.monotonic() - t1
+    state._holds = True  # type: ignore[attr-defined]
     if plan:
         logger.info("rank %s: state at step %s %s (%d bytes, %.3f s)", rank, top,
                     f"received from rank {plan[rank]}" if rank in plan else "sent",
                     stats.bytes, stats.transfer_s)
+    t2 = time.monotonic()
+    verify(state)
+    stats.verify_s = time.monotonic() - t2
     return stats
+
+
+_ROW_USED, _ROW_BUFFERS, _ROW_GENERATORS = 2, 3, 4
+_BUFFERS_BIT = len(rng.GENERATORS)
+
+
+def buffers_digest(buffers: list[torch.Tensor] | list[torch.Tensor | None]) -> int:
+    h = hashlib.blake2b(digest_size=8)
+    for b in buffers:
+        h.update(b"-" if b is None else tensor_bytes(b))
+    return int.from_bytes(h.digest(), "little", signed=True)
+
+
+_buffers_digest = buffers_digest
+
+
+def _persistent_buffers(module: torch.nn.Module) -> list[torch.Tensor]:
+    sd = module.state_dict(keep_vars=True)
+    return [b for name, b in module.named_buffers() if name in sd]
+
+
+def _own_state(carrier: Carrier, rows: list[list[int]], donors: list[int],
+               own: rng.RngState, mine: per_rank.Entry | None) -> list[str]:
+    """A receiver took the donor's state; put back what is this rank's own (generators
+    seeded per rank, module buffers), from its own commit at the agreed step or its
+    predecessor's record of it. Returns what could not be had and mattered."""
+    used = 0
+    for row in rows:
+        used |= row[_ROW_USED]
+    lost: list[str] = []
+    keep_own: set[str] = set()
+    from_mine: set[str] = set()
+    for i, g in enumerate(rng.GENERATORS):
+        if g not in carrier.per_rank_generators:
+            continue  # replicated: the donor's is this rank's
+        if mine is not None:
+            from_mine.add(g)
+        else:
+            keep_own.add(g)
+            if used & (1 << i):
+                lost.append(f"{g} generator")  # drawn from: its state mattered
+    rng.restore(own, keep_own)
+    if mine is not None and from_mine:
+        rng.restore(mine.generators, from_mine)
+    restored = mine is not None and mine.buffers is not None and \
+        carrier.rollback.set_buffers(mine.buffers)  # type: ignore[arg-type]
+    if not restored and used & (1 << _BUFFERS_BIT) \
+            and len({rows[d][_ROW_BUFFERS] for d in donors}) >= 1:
+        lost.append("module buffers")
+    if lost:
+        logger.warning("rank %s: its own %s at step %s died with its previous process; it "
+                       "goes on with a donor's (results may differ from a run without the "
+                       "failure)", dist.get_rank(), " and ".join(lost), rows[donors[0]][0])
+    return lost
+
+
+def verify(state: State) -> None:
+    """All ranks compare a digest of their replicated state.
+
+    Raises:
+        Diverged: naming the ranks that differ from the lowest rank's state.
+    """
+    world = dist.get_world_size()
+    word = bytes.fromhex(state.digest(buffers=False))
+    mine = torch.tensor([int.from_bytes(word[:8], "little", signed=True),
+                         int.from_bytes(word[8:], "little", signed=True)], dtype=torch.int64)
+    gathered = torch.zeros(world * 2, dtype=torch.int64)
+    dist.all_gather_single(gathered, mine)
+    rows = [tuple(r) for r in gathered.view(world, 2).tolist()]
+    differ = [r for r, row in enumerate(rows) if row != rows[0]]
+    if differ:
+        raise Diverged(f"the ranks' states differ: rank(s) {differ} do not match rank 0 "
+                       f"at step {state.step}")
+
+
+__all__ = ["Carrier", "Diverged", "StateLost", "TransferStats", "agree_and_transfer",
+           "digest_tree", "recv_state", "send_state", "verify"]

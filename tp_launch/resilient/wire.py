@@ -1,0 +1,339 @@
+"""The state transfer's wire format: typed JSON plus raw tensors, never a pickle.
+
+A state travels between two ranks of a job over a gloo (or NCCL) group, that is over
+TCP ports anyone who can reach the node can connect to. So nothing received is ever
+unpickled: the structure of a state (each object's ``state_dict()`` with its tensors
+cut out, the step, the RNG states, ...) is a JSON document with a small, closed set of
+tagged types, and the tensors follow as raw bytes whose shapes and dtypes the document
+declares. A malformed or hostile message is a :class:`WireError` on the receiver.
+
+Values (``encode``/``decode``):
+
+==========================  ===================================================
+Python                      JSON
+==========================  ===================================================
+None, bool, int, str        themselves
+float                       a number; ``{"$f": "nan" | "inf" | "-inf"}``
+list                        an array
+tuple                       ``{"$tuple": [...]}``
+dict with str keys          an object (keys starting with ``$`` are escaped:
+                            such a dict is sent as ``{"$map": [[k, v], ...]}``)
+dict with other keys        ``{"$map": [[k, v], ...]}`` (int keys: optimizer state)
+bytes                       ``{"$bytes": "<base64>"}``
+torch.dtype                 ``{"$dtype": "float32"}``
+torch.Tensor                ``{"$t": i}``: the i-th tensor of the message
+==========================  ===================================================
+
+Anything else (a custom class in ``State.extra``, a lambda in a scheduler's state) is
+refused on the *sender* with the path of the offending value.
+
+A message on the wire, in order: a header (one int64 tensor: :data:`MAGIC`,
+:data:`VERSION`, the document's length), the document (a uint8 tensor of UTF-8 JSON:
+``{"tree": <value>, "tensors": [[shape, dtype], ...]}``), then the tensors as the
+sender's and the receiver's identical :func:`plan_sends` groups them.
+"""
+
+from __future__ import annotations
+
+import base64
+import ctypes
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+MAGIC = 0x5450_5253_5441_5445  # "TPRSTATE"
+VERSION = 1
+MAX_DOCUMENT = 256 << 20  # a state's structure, not its tensors: generous
+MAX_DIMS = 32
+
+# Every dtype a state may hold (by the name torch prints without "torch.").
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in ("float64", "float32", "float16", "bfloat16", "complex64", "complex128",
+                 "int64", "int32", "int16", "int8", "uint8", "bool",
+                 "float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64")
+    if isinstance(getattr(torch, name, None), torch.dtype)
+}
+
+_SMALL_BYTES = 1 << 20  # a tensor under this is packed with its neighbours
+_PACK_BYTES = 16 << 20  # at most this much in one packed send
+
+
+class WireError(RuntimeError):
+    """A message that is not a well-formed state (corrupt, hostile, or another version)."""
+
+
+class EncodeError(TypeError):
+    """A value that has no wire form (say which, and where)."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor's shape and dtype, as the document declares it."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+    @staticmethod
+    def of(t: torch.Tensor) -> TensorSpec:
+        return TensorSpec(tuple(t.shape), dtype_name(t.dtype))
+
+    def to_json(self) -> list[Any]:
+        return [list(self.shape), self.dtype]
+
+    @staticmethod
+    def from_json(d: Any) -> TensorSpec:
+        if not (isinstance(d, list) and len(d) == 2 and isinstance(d[0], list)
+                and isinstance(d[1], str) and d[1] in DTYPES and len(d[0]) <= MAX_DIMS
+                and all(type(n) is int and 0 <= n < 1 << 48 for n in d[0])):
+            raise WireError(f"bad tensor declaration {str(d)[:80]!r}")
+        return TensorSpec(tuple(d[0]), d[1])
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise EncodeError(f"tensors of dtype {name} cannot be transferred")
+    return name
+
+
+class Leaf:
+    """Where the i-th tensor of a message sits in a decoded tree (before it arrives)."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __repr__(self) -> str:
+        return f"Leaf({self.index})"
+
+
+def encode(tree: Any) -> tuple[Any, list[torch.Tensor]]:
+    """A JSON-able form of ``tree`` and its tensors, in the order the form numbers them."""
+    tensors: list[torch.Tensor] = []
+
+    def enc(v: Any, path: str) -> Any:
+        if v is None or isinstance(v, (bool, str)):
+            return v
+        if isinstance(v, int):
+            return int(v)
+        if isinstance(v, float):
+            return v if math.isfinite(v) else {"$f": repr(v)}
+        if isinstance(v, torch.Tensor):
+            dtype_name(v.dtype)
+            if v.layout != torch.strided:
+                raise EncodeError(f"{path or 'value'}: {v.layout} tensors cannot be transferred")
+            tensors.append(v)
+            return {"$t": len(tensors) - 1}
+        if isinstance(v, torch.dtype):
+            return {"$dtype": dtype_name(v)}
+        if isinstance(v, (bytes, bytearray)):
+            return {"$bytes": base64.b64encode(bytes(v)).decode()}
+        if isinstance(v, tuple) and not hasattr(v, "_fields"):
+            return {"$tuple": [enc(x, f"{path}[{i}]") for i, x in enumerate(v)]}
+        if isinstance(v, list):
+            return [enc(x, f"{path}[{i}]") for i, x in enumerate(v)]
+        if isinstance(v, dict):
+            if all(isinstance(k, str) and not k.startswith("$") for k in v):
+                return {k: enc(x, f"{path}.{k}") for k, x in v.items()}
+            return {"$map": [[enc(k, f"{path}<key>"), enc(x, f"{path}[{k!r}]")]
+                             for k, x in v.items()]}
+        raise EncodeError(f"{path or 'value'}: a {type(v).__name__} cannot be transferred "
+                          "(only None, bool, int, float, str, bytes, lists, tuples, dicts, "
+                          "dtypes and tensors)")
+
+    return enc(tree, ""), tensors
+
+
+def decode(doc: Any, n_tensors: int) -> Any:
+    """The tree of an :func:`encode`'d document, tensors as :class:`Leaf` placeholders."""
+
+    def dec(v: Any, depth: int) -> Any:
+        if depth > 64:
+            raise WireError("the document nests too deep")
+        if v is None or isinstance(v, (bool, str, int, float)):
+            return v
+        if isinstance(v, list):
+            return [dec(x, depth + 1) for x in v]
+        if not isinstance(v, dict):
+            raise WireError(f"unexpected JSON value {str(v)[:40]!r}")
+        if len(v) == 1:
+            (tag, arg), = v.items()
+            if tag == "$t":
+                if type(arg) is not int or not 0 <= arg < n_tensors:
+                    raise WireError(f"bad tensor reference {arg!r}")
+                return Leaf(arg)
+            if tag == "$f":
+                if arg not in ("nan", "inf", "-inf"):
+                    raise WireError(f"bad float {arg!r}")
+                return float(arg)
+            if tag == "$tuple":
+                if not isinstance(arg, list):
+                    raise WireError("bad tuple")
+                return tuple(dec(x, depth + 1) for x in arg)
+            if tag == "$map":
+                if not (isinstance(arg, list)
+                        and all(isinstance(kv, list) and len(kv) == 2 for kv in arg)):
+                    raise WireError("bad map")
+                out = {}
+                for k, x in arg:
+                    key = dec(k, depth + 1)
+                    try:
+                        out[key] = dec(x, depth + 1)
+                    except TypeError:
+                        raise WireError(f"unhashable map key {str(k)[:40]!r}") from None
+                return out
+            if tag == "$bytes":
+                try:
+                    return base64.b64decode(arg, validate=True)
+                except (TypeError, ValueError):
+                    raise WireError("bad bytes") from None
+            if tag == "$dtype":
+                if arg not in DTYPES:
+                    raise WireError(f"unknown dtype {arg!r}")
+                return DTYPES[arg]
+        if any(k.startswith("$") for k in v):
+            raise WireError(f"unknown tag in {sorted(v)[:3]!r}")
+        return {k: dec(x, depth + 1) for k, x in v.items()}
+
+    return dec(doc, 0)
+
+
+def leaves(tree: Any, path: tuple[Any, ...] = ()) -> list[tuple[tuple[Any, ...], Leaf]]:
+    """Every :class:`Leaf` of a decoded tree with its path, in tree order."""
+    if isinstance(tree, Leaf):
+        return [(path, tree)]
+    if isinstance(tree, dict):
+        return [x for k, v in tree.items() for x in leaves(v, (*path, k))]
+    if isinstance(tree, (list, tuple)):
+        return [x for i, v in enumerate(tree) for x in leaves(v, (*path, i))]
+    return []
+
+
+def fill(tree: Any, tensors: Sequence[torch.Tensor]) -> Any:
+    """Replace the :class:`Leaf` placeholders of a decoded tree by the received tensors."""
+    if isinstance(tree, Leaf):
+        return tensors[tree.index]
+    if isinstance(tree, dict):
+        return {k: fill(v, tensors) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [fill(v, tensors) for v in tree]
+    if isinstance(tree, tuple):
+        return tuple(fill(v, tensors) for v in tree)
+    return tree
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """A CPU tensor's raw bytes (no numpy: torch's CPU wheel does not bring it)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
+
+
+# ---------------------------------------------------------------- on a process group
+
+
+Send = Callable[[torch.Tensor], None]
+Recv = Callable[[torch.Tensor], None]
+
+
+def plan_sends(specs: Sequence[TensorSpec]) -> list[list[int]]:
+    """Group tensor indices into sends: a large tensor alone; consecutive small tensors
+    of one dtype together, up to 16 MiB (a gloo send has a fixed cost of about a
+    millisecond, which dominates for biases and norms). Sender and receiver compute the
+    same plan from the same document."""
+    sends: list[list[int]] = []
+    pack: list[int] = []
+    pack_bytes, pack_dtype = 0, ""
+    for i, spec in enumerate(specs):
+        nbytes = spec.nbytes
+        if nbytes >= _SMALL_BYTES:
+            sends.append([i])
+            continue
+        if pack and (spec.dtype != pack_dtype or pack_bytes + nbytes > _PACK_BYTES):
+            sends.append(pack)
+            pack, pack_bytes = [], 0
+        pack.append(i)
+        pack_bytes += nbytes
+        pack_dtype = spec.dtype
+    if pack:
+        sends.append(pack)
+    return sends
+
+
+def send_message(tree: Any, send: Send) -> int:
+    """Send ``tree`` (its document, then its tensors); returns the tensor bytes sent."""
+    doc, tensors = encode(tree)
+    specs = [TensorSpec.of(t) for t in tensors]
+    body = json.dumps({"tree": doc, "tensors": [s.to_json() for s in specs]},
+                      allow_nan=False, separators=(",", ":")).encode()
+    send(torch.tensor([MAGIC, VERSION, len(body)], dtype=torch.int64))
+    send(torch.frombuffer(bytearray(body), dtype=torch.uint8))
+    sent = 0
+    for group in plan_sends(specs):
+        if len(group) == 1:
+            t = tensors[group[0]].detach()
+            t = t if t.is_contiguous() else t.contiguous()
+        else:
+            device = tensors[group[0]].device
+            t = torch.cat([tensors[i].detach().reshape(-1).to(device) for i in group])
+        send(t)
+        sent += t.numel() * t.element_size()
+    return sent
+
+
+def receive_document(recv: Recv) -> tuple[Any, list[TensorSpec]]:
+    """The next message's tree (tensors as :class:`Leaf`) and tensor declarations."""
+    header = torch.zeros(3, dtype=torch.int64)
+    recv(header)
+    magic, version, length = (int(x) for x in header.tolist())
+    if magic != MAGIC:
+        raise WireError("not a tp-run state message (bad magic)")
+    if version != VERSION:
+        raise WireError(f"state message version {version}, this tp-run reads {VERSION}")
+    if not 0 < length <= MAX_DOCUMENT:
+        raise WireError(f"bad document length {length}")
+    body = torch.empty(length, dtype=torch.uint8)
+    recv(body)
+    try:
+        doc = json.loads(tensor_bytes(body).decode())
+    except (UnicodeDecodeError, ValueError) as e:
+        raise WireError(f"the document is not JSON: {e}") from None
+    if not (isinstance(doc, dict) and set(doc) == {"tree", "tensors"}
+            and isinstance(doc["tensors"], list)):
+        raise WireError("the document lacks its tree or tensor list")
+    specs = [TensorSpec.from_json(s) for s in doc["tensors"]]
+    return decode(doc["tree"], len(specs)), specs
+
+
+def receive_tensors(specs: Sequence[TensorSpec], buffers: Sequence[torch.Tensor],
+                    recv: Recv) -> int:
+    """Receive a message's tensors into ``buffers`` (one per spec, matching it)."""
+    got = 0
+    with torch.no_grad():
+        for group in plan_sends(specs):
+            if len(group) == 1:
+                t = buffers[group[0]]
+                recv(t)
+            else:
+                first = buffers[group[0]]
+                t = torch.empty(sum(specs[i].nbytes // DTYPES[specs[i].dtype].itemsize
+                                    for i in group), dtype=first.dtype, device=first.device)
+                recv(t)
+                offset = 0
+                for i in group:
+                    n = buffers[i].numel()
+                    buffers[i].copy_(t[offset:offset + n].view(buffers[i].shape))
+                    offset += n
+            got += t.numel() * t.element_size()
+    return got
