@@ -55,14 +55,14 @@ _FOUR = {
 
 
 def _one_at_a_time(faults: str) -> str:
-    """With one spare, two ranks cannot die at the same point: the second one later."""
-    seen: set[tuple[str, str]] = set()
+    """With one spare, two ranks cannot die in one iteration: the second one later."""
+    seen: set[str] = set()
     out = []
     for f in faults.split(","):
         rank, step, where = f.split(":")
-        while (step, where) in seen:
+        while step in seen:
             step = str(int(step) + 1)
-        seen.add((step, where))
+        seen.add(step)
         out.append(f"{rank}:{step}:{where}")
     return ",".join(out)
 

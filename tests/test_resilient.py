@@ -196,12 +196,15 @@ def background(workdir: Path, env: dict[str, str], args: list[str]) -> Iterator[
 
 def test_kill_parked_spare_is_replaced(workdir, test_env, reference):
     with background(workdir, test_env, ["--nproc-per-node", "4", "--spares", "1", SCRIPT,
-                                        "--steps", str(STEPS), "--step-sleep", "0.4"]) as (proc, out, _):
+                                        "--steps", str(STEPS), "--hold-at", "3"]) as (proc, out, _):
+        # The ranks wait at step 3 until the new spare has parked (however slow the
+        # machine), so the job cannot end before it.
         _wait(lambda: _parked(proc) >= 1, "a spare parks")
         (spare,) = _spares(test_env["TP_TEST_MARKER"])
         spare.kill()
         _wait(lambda: any(p.pid != spare.pid for p in _spares(test_env["TP_TEST_MARKER"]))
               and _parked(proc) >= 1, "a new spare parks")
+        (out / "release").touch()
         stdout, stderr = proc.communicate(timeout=HANG_TIMEOUT)
     assert proc.returncode == 0, stderr[-3000:]
     assert "tp-run: failure:" not in stderr  # no rank was touched

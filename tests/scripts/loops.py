@@ -92,8 +92,8 @@ def fault(where: str, step: int) -> None:
                 not os.path.exists(os.path.join(OUT, f"marker_{r}_{s}_{w}")):
             from tp_launch.resilient import parked_spares
 
-            # As many spares as ranks die at this point (they die one after the other).
-            together = sum(1 for _, s2, w2 in FAULTS if s2 == step and w2 == where)
+            # As many spares as ranks die in this iteration (they may die at once).
+            together = sum(1 for _, s2, _w in FAULTS if s2 == step)
             while "TP_RUN_CHANNEL" in os.environ and parked_spares() < together:
                 time.sleep(0.05)
             if once(f"{r}_{s}_{w}"):

@@ -151,6 +151,7 @@ class ResilientAgent(NodeAgent):
         self._first_failure: ProcessFailure | None = None
         self._last_view = 0.0
         self._holders: set[int] = set()  # this node's ranks whose process holds the state
+        self._origin: dict[int, int] = {}  # rank -> slot of its last holder (newcomers)
         membership = getattr(self.rdzv, "membership", None)
         self._gens: LocalGenerations | SharedGenerations = \
             SharedGenerations(membership, info) if membership is not None else \
@@ -321,6 +322,7 @@ class ResilientAgent(NodeAgent):
                 self._write_status()
         elif op == "resumed" and msg["gen"] == self._world.gen:
             self._holders.add(msg["rank"])
+            self._origin.pop(msg["rank"], None)
             if self._recovery and msg["gen"] == self._recovery.gen:
                 self._recovery.resumed[msg["rank"]] = msg
         elif op == "stepped" and self._recovery and msg["gen"] == self._recovery.gen:
@@ -647,11 +649,14 @@ class ResilientAgent(NodeAgent):
                                   key=lambda p: p["rank"])
         self._recovery = rec
         self._finished.clear()
+        for rank in [*placed.promoted, *placed.unplaced]:
+            # Where the rank's last holder ran: a newcomer reads the record it left
+            # (kept until a newcomer resumes: one that dies first leaves no record).
+            if rank in before:
+                self._origin.setdefault(rank, before[rank])
         for rank, slot in world.slot_of.items():
-            # A newcomer reads the generator record its rank's previous process left.
-            origin = before.get(rank) if rank in placed.promoted else None
             self._tell(slot, self._generation_msg(rank, handoff=handoffs.get(rank),
-                                                  from_slot=origin))
+                                                  from_slot=self._origin.get(rank)))
         self._spawn_missing_spares()
         self._write_status()
 
@@ -665,7 +670,7 @@ class ResilientAgent(NodeAgent):
             if self._recovery is not None:
                 self._recovery.promoted.append({"rank": rank, "slot": slot,
                                                 "pid": self._procs[slot].worker.pid})
-            self._tell(slot, self._generation_msg(rank))
+            self._tell(slot, self._generation_msg(rank, from_slot=self._origin.get(rank)))
 
     def _spawn_missing_spares(self) -> None:
         if self._spare_failures >= _SPARE_FAILURES_MAX:

@@ -215,6 +215,7 @@ class _ResilientHooks(Hooks):
         self.r = runner
         every = os.environ.get(channel.ENV_VERIFY_EVERY, "")
         self.verify_every = int(every) if every.isdigit() else 0
+        self._verified = -1
 
     def entered(self, state: State) -> None:
         self.r.rollback.refresh_layout()
@@ -231,7 +232,9 @@ class _ResilientHooks(Hooks):
             link.send({"op": "stepped", "gen": link.current_gen,
                        "rank": int(os.environ.get("RANK", "-1")), "step": state.step,
                        "t": time.time()})
-        if self.verify_every and state.step % self.verify_every == 0 and not state.cursor.ended:
+        if self.verify_every and state.step % self.verify_every == 0 \
+                and state.step != self._verified and not state.cursor.ended:
+            self._verified = state.step
             verify(state)
 
     def check(self, state: State) -> None:

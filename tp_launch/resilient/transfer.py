@@ -314,8 +314,8 @@ def _own_state(carrier: Carrier, rows: list[list[int]], donors: list[int],
     seeded per rank, module buffers), from its own commit at the agreed step or its
     predecessor's record of it. Returns what could not be had and mattered."""
     used = 0
-    for row in rows:
-        used |= row[_ROW_USED]
+    for d in donors:  # a receiver's own row says nothing: it may hold no commit at all
+        used |= rows[d][_ROW_USED]
     lost: list[str] = []
     keep_own: set[str] = set()
     from_mine: set[str] = set()
@@ -333,8 +333,7 @@ def _own_state(carrier: Carrier, rows: list[list[int]], donors: list[int],
         rng.restore(mine.generators, from_mine)
     restored = mine is not None and mine.buffers is not None and \
         carrier.rollback.set_buffers(mine.buffers)  # type: ignore[arg-type]
-    if not restored and used & (1 << _BUFFERS_BIT) \
-            and len({rows[d][_ROW_BUFFERS] for d in donors}) >= 1:
+    if not restored and used & (1 << _BUFFERS_BIT):
         lost.append("module buffers")
     if lost:
         logger.warning("rank %s: its own %s at step %s died with its previous process; it "
