@@ -555,8 +555,10 @@ def test_another_user_cannot_touch_a_running_job(workdir, test_env, shared_tmp, 
         (out / "release").touch()
         stderr = _check_finished(job, out)
 
-    assert report["listed"][control] == "Permission denied"  # the real one: closed to it
+    assert precious.read_text() == "the owner's\n"
+    assert stat.S_IMODE(precious.stat().st_mode) == 0o600
     assert report["replies"] == {}  # no socket of the job's was visible to connect to
+    assert report["listed"][control] == "Permission denied"  # the real one: closed to it
     assert all(not p.startswith(control) for p in report["planted"])
     assert report["planted"]  # (it did plant links where it could: its own directories)
     assert theirs[0].returncode == 1 and "no running tp-run agent" in theirs[0].stderr
@@ -565,8 +567,6 @@ def test_another_user_cannot_touch_a_running_job(workdir, test_env, shared_tmp, 
         "tp-run migrate acts only on your own jobs")
     assert mine.returncode == 0 and "ok: rank 1" in mine.stdout, mine.stdout + mine.stderr
     assert "tp-run: migration: rank(s) [1]" in stderr
-    assert precious.read_text() == "the owner's\n"
-    assert stat.S_IMODE(precious.stat().st_mode) == 0o600
     for made in json.loads(prep.stdout)["made"]:  # the job wrote nothing in its directories
         assert all(os.lstat(p).st_uid == OTHER for p in glob.glob(os.path.join(made, "*")))
     assert not os.path.exists(control)
