@@ -311,6 +311,28 @@ def test_unsafe_temp_dir_is_refused(shared_tmp: Path, monkeypatch: pytest.Monkey
     assert list(unsafe.iterdir()) == []  # the directory it made is gone again
 
 
+@pytest.mark.parametrize("case", ["unsafe", "too long"])
+def test_agent_in_an_unusable_temp_dir_is_one_line_error(workdir, test_env, shared_tmp, case):
+    """A TMPDIR others may write to without the sticky bit (the agent will not make its
+    control directory there), or one too long for a socket path: one error line, exit 2,
+    nothing started, nothing left behind."""
+    tmp = shared_tmp / ("unsafe" if case == "unsafe" else "x" * 90)
+    tmp.mkdir()
+    tmp.chmod(0o777 if case == "unsafe" else 0o700)
+    r = run_launcher(TP_RUN, ["--nproc-per-node", "1", "--spares", "1",
+                              "scripts/resilient_train.py", "--steps", "2"],
+                     {**test_env, "TMPDIR": str(tmp), "OUT": str(workdir)}, workdir)
+    assert r.returncode == 2
+    (line,) = r.stderr.strip().splitlines()
+    if case == "unsafe":
+        assert line.startswith(f"tp-run: error: cannot make a private control directory: "
+                               f"{tmp} lets other users rename tp-run-{os.getuid()}-"), line
+    else:
+        assert line.startswith(f"tp-run: error: cannot open the control socket {tmp}/"), line
+        assert line.endswith("AF_UNIX path too long"), line
+    assert not list(tmp.glob("tp-run-*")) and not list(workdir.glob("entry_*"))
+
+
 def test_xdg_runtime_dir_only_when_private(shared_tmp: Path, monkeypatch: pytest.MonkeyPatch):
     xdg = shared_tmp / "run-user"
     xdg.mkdir(mode=0o700)
