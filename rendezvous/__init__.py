@@ -14,6 +14,7 @@ fixed by the command line.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Callable
 
 from rendezvous.api import RendezvousError, RendezvousHandler, RendezvousInfo
@@ -29,6 +30,8 @@ __all__ = [
     "create_handler",
     "register_backend",
 ]
+
+logger = logging.getLogger(__name__)
 
 BackendFactory = Callable[["LaunchConfig"], RendezvousHandler]
 _BACKENDS: dict[str, BackendFactory] = {}
@@ -68,6 +71,7 @@ def _membership_handler(config: LaunchConfig) -> RendezvousHandler:
     from rendezvous.handler import MembershipRendezvous
     from rendezvous.kv import KVError
     from rendezvous.membership import Membership, local_address
+    from rendezvous.store_host import loopback_only
 
     conf = config.rdzv_configs
     t = timeouts_from_conf(conf)
@@ -87,8 +91,14 @@ def _membership_handler(config: LaunchConfig) -> RendezvousHandler:
             kv = etcd_kv_from_conf(config.rdzv_endpoint, conf, connect, t.read_timeout)
     except KVError as e:
         raise RendezvousError(str(e)) from None
+    addr = local_address(config.local_addr)
+    if config.local_addr is None and loopback_only(addr):
+        # The stores this node hosts listen on this address only (rendezvous.store_host).
+        logger.warning("this node's name %s resolves to a loopback address here: other "
+                       "machines cannot reach the stores it hosts; pass --local-addr with "
+                       "the address they reach it at", addr)
     membership = Membership(kv, prefix, config.run_id, config.min_nodes, config.max_nodes,
-                            local_address(config.local_addr), t,
+                            addr, t,
                             safety_poll=min(5.0, max(0.5, t.keep_alive_interval)))
     return MembershipRendezvous(membership, backend)
 

@@ -14,9 +14,10 @@ it offers what multi-node compatible mode needs:
 and, for the hot-spare work, the generation (fencing token), its compare-and-swap and
 the redundancy list, straight from :class:`~rendezvous.membership.Membership`.
 
-Node rank 0's agent hosts a fresh workers' store each round (``StoreHost``) and
-publishes its port under the round, so MASTER_ADDR/MASTER_PORT always name a store that
-a live agent hosts and that no dead attempt wrote to.
+Node rank 0's agent hosts a fresh workers' store each round (``StoreHost``, listening on
+its own address, the one the others are told) and publishes its port under the round,
+so MASTER_ADDR/MASTER_PORT always name a store that a live agent hosts and that no dead
+attempt wrote to.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class MembershipRendezvous(RendezvousHandler):
         try:
             if world.node_rank == 0:
                 try:
-                    self._host = StoreHost("", 0)
+                    self._host = StoreHost(m.addr, 0)  # the address the others are told
                 except OSError as e:
                     raise RendezvousError(str(e)) from None
                 port = self._host.port

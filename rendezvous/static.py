@@ -4,10 +4,12 @@ Two torchrun setups land here:
 
 - the embedded single-node default (``--standalone``, torchrun's automatic standalone,
   or ``c10d`` with ``--nnodes 1``): this agent is the whole world and hosts the store,
-  on a free port or on the endpoint's port;
+  on a free port or on the endpoint's port, listening on the endpoint's host only
+  (``localhost`` by default: loopback);
 - ``--rdzv-backend static`` with ``--master-addr/--master-port/--node-rank``: node 0's
-  agent hosts the store on the master port, every node knows its rank from the flags,
-  and each node runs ``--nproc-per-node`` workers (global ranks are node-major).
+  agent hosts the store on the master address and port, every node knows its rank from
+  the flags, and each node runs ``--nproc-per-node`` workers (global ranks are
+  node-major).
 
 Either way the store is hosted anew for each round, so a restart never meets a dead
 attempt's keys.
@@ -59,7 +61,7 @@ class StaticRendezvous(RendezvousHandler):
         if self._node_rank == 0:
             self._close_store()
             try:
-                self._host = StoreHost("", self._master_port)
+                self._host = StoreHost(self._master_addr, self._master_port)
             except OSError as e:
                 raise RendezvousError(str(e)) from None
             port = self._host.port

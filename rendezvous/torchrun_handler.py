@@ -57,7 +57,7 @@ class EtcdV3TorchrunHandler(RendezvousHandler):
             world = self._m.join(1)
             addr = world.participants[0].addr
             if world.node_rank == 0:
-                self._host = StoreHost("", 0)
+                self._host = StoreHost(addr, 0)
                 port = self._host.port
                 self._m.put_round_key("store", str(port))
             else:

@@ -28,6 +28,7 @@ from tests.conftest import (
     run_launcher,
     start_launcher,
 )
+from tp_launch.control_files import AgentStatus, find_agents
 
 STEPS = 24
 SCRIPT = "scripts/resilient_train.py"
@@ -153,22 +154,21 @@ def _spares(marker: str) -> list[psutil.Process]:
     return found
 
 
-def _parked(proc: subprocess.Popen) -> int:
-    from tp_launch.agent.resilient_agent import control_dir
+def _status(proc: subprocess.Popen) -> AgentStatus | None:
+    """The agent's status file, None before it writes one."""
+    return next((a for a in find_agents() if a.pid == proc.pid), None)
 
-    try:
-        with open(os.path.join(control_dir(), f"{proc.pid}.sock.json")) as f:
-            return len(json.load(f)["parked_spares"])
-    except (OSError, ValueError):
-        return 0
+
+def _parked(proc: subprocess.Popen) -> int:
+    status = _status(proc)
+    return 0 if status is None else len(status.parked_spares)
 
 
 def _ranks(proc: subprocess.Popen) -> set[int]:
     """The ranks an agent holds now, from its status file."""
-    from tp_launch.agent.resilient_agent import control_dir
-
-    with open(os.path.join(control_dir(), f"{proc.pid}.sock.json")) as f:
-        return {int(r) for r in json.load(f)["ranks"]}
+    status = _status(proc)
+    assert status is not None, "the agent has no status file"
+    return set(status.ranks)
 
 
 def _wait(cond, what: str, timeout: float = HANG_TIMEOUT) -> None:
@@ -231,7 +231,8 @@ def test_planned_migration_recomputes_no_step(workdir, test_env, reference):
 
 
 def test_migrate_bad_requests(workdir, test_env):
-    cmd = run_launcher(TP_RUN, ["migrate", "--rank", "1", "--agent-pid", "1"], test_env, workdir)
+    cmd = run_launcher(TP_RUN, ["migrate", "--rank", "1", "--agent-pid", str(os.getpid())],
+                       test_env, workdir)
     assert cmd.returncode == 1 and "no running tp-run agent" in cmd.stderr
     cmd = run_launcher(TP_RUN, ["migrate"], test_env, workdir)
     assert cmd.returncode == 2 and "--rank" in cmd.stderr

@@ -1,90 +1,388 @@
 """The worker <-> local agent channel of resilient mode: JSON lines over a Unix socket.
 
-Workers talk only to their own node's agent. The agent listens on a Unix socket whose
-path it puts in each process's environment (``TP_RUN_CHANNEL``, with the process's slot
-number in ``TP_RUN_SLOT``). A script that opts in (``tp_launch.resilient.run``)
-connects; a script that does not never does, and the agent then treats it exactly as
-torchrun would. This module holds the framing and the message names once, for both
-sides; it does not import torch (the agent imports it before torch).
+Workers talk only to their own node's agent. The agent listens on a Unix socket in its
+private control directory (:mod:`tp_launch.control_files`) and puts the socket's path
+in each process's environment (``TP_RUN_CHANNEL``, with the process's slot number in
+``TP_RUN_SLOT``). A script that opts in (``tp_launch.resilient.run``) connects; a script
+that does not never does, and the agent then treats it exactly as torchrun would.
+``tp-run migrate`` talks to the agent over the same socket. This module holds the
+messages, typed once, for both sides; it does not import torch (the agent imports it
+before torch).
 
-Messages, one JSON object per line, ``op`` naming the kind:
+Messages, one JSON object per line (at most :data:`MAX_LINE` bytes), ``op`` naming the
+kind; each kind is a frozen dataclass whose fields are checked, type and range, when it
+is built and when it is decoded (:func:`decode`), so a peer's bad line is a
+:class:`ChannelError` (one line saying why), never a crash. Fields a decoder does not
+know are ignored.
 
-worker -> agent
-    ``hello``     {slot, pid}: the process reached the wait point (model and optimizer
-                  built); a spare is parked from now on.
-    ``resumed``   {gen, rank, step, group_s, agree_s, transfer_s, bytes, donor}: the
-                  process joined generation ``gen`` and holds the agreed state.
-    ``stepped``   {gen, step, t}: first committed step after ``resumed``.
-    ``finished``  {gen, step}: the training function returned; waiting for the exit
-                  barrier (a failure before every rank finished is still recovered).
-agent -> worker
-    ``generation`` {gen, rank (None: not a rank), world_size, master_addr, master_port,
-                  reason, boundary (step at which to stop, planned migration only),
-                  handoff (planned migration: {role: "donor"|"receiver", prefix})}.
-    ``exit``      {}: every rank finished (ranks return from ``run``), or the job is
-                  over (spares exit 0).
+to the agent (:data:`TO_AGENT`)
+    :class:`Hello` ``hello`` {slot, pid}: the process reached the wait point (model and
+        optimizer built); a spare is parked from now on.
+    :class:`Resumed` ``resumed`` {gen, rank, step, handoff_s, group_s, agree_s,
+        transfer_s, bytes, donor (rank or None), t, verify_s, inexact}: the process
+        joined generation ``gen`` and holds the agreed state (``inexact``: what of the
+        rank's own state, its random generators or buffers, could not be had).
+    :class:`Stepped` ``stepped`` {gen, rank, step, t}: first committed step after
+        ``resumed``.
+    :class:`Finished` ``finished`` {gen, rank, step}: the training function returned;
+        waiting for the exit barrier (a failure before every rank finished is still
+        recovered).
+    :class:`Fatal` ``fatal`` {kind, message, rank, gen}: the job cannot go on exactly
+        (``state_lost``: no rank holds the committed state; ``diverged``: the ranks'
+        states differ; ``usage``: the script's loop does not mark its iterations). The
+        agent stops the job with that line (``state_lost``: ``--spare-policy``).
+    :class:`Migrate` ``migrate`` {rank}: ``tp-run migrate`` asks for a planned migration.
+to a worker (:data:`TO_WORKER`)
+    :class:`NewGeneration` ``generation`` {gen, rank (None: not a rank), world_size,
+        master_addr, master_port, reason, boundary (step at which to stop, planned
+        migration only), handoff (planned migration: :class:`Handoff` {role:
+        "donor"|"receiver", prefix}), from_slot (a newcomer: the slot of its rank's last
+        holder on this node, whose per-rank record it reads)}.
+    :class:`Exit` ``exit`` {}: every rank finished (ranks return from ``run``), or the
+        job is over (spares exit 0).
+    :class:`Recovering` ``recovering`` {}: the agent waits for a spare
+        (``--spare-policy wait``): wait for the next generation without a limit.
+    :class:`Reply` ``reply`` {message}: the answer to ``migrate`` ("ok: ..." or
+        "error: ...").
 
 The agent also shares a progress board with its processes: a small file mapped by
 every process (``TP_RUN_PROGRESS``), one signed 64-bit committed step per slot, written
 by the worker at each commit. Reading it costs the agent nothing and the worker one
 store to memory, so the agent knows every rank's step (for planned migrations and
-crash-loop detection) without a message per step.
+crash-loop detection) without a message per step. Beside it, each worker keeps its
+per-rank record (``<board>.slot<N>``, :mod:`tp_launch.resilient.per_rank`).
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import mmap
 import os
 import socket
 import struct
-from typing import Any
+import types
+import typing
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any, ClassVar, Iterable, Literal
 
 ENV_SOCKET = "TP_RUN_CHANNEL"
 ENV_SLOT = "TP_RUN_SLOT"
 ENV_PROGRESS = "TP_RUN_PROGRESS"
 ENV_VERIFY_EVERY = "TP_RUN_VERIFY_EVERY"
 
+# The longest line either side accepts: every message is well under a kilobyte, and a
+# peer that never sends a newline must not make the reader grow without end.
+MAX_LINE = 64 * 1024
+_INT_LIMIT = 2**63  # integers travel as int64 at most (the progress board's steps)
+
 BOARD_SLOTS = 4096
 _STEP = struct.Struct("q")
+_CREDS = struct.Struct("3i")  # struct ucred
 
 
-def send(sock: socket.socket, msg: dict[str, Any]) -> None:
-    """Write one message (the whole line; the socket must be blocking)."""
-    sock.sendall(json.dumps(msg).encode() + b"\n")
+class ChannelError(ValueError):
+    """A line that is not a valid message, or a message the receiver rejects: the
+    reason, in one line."""
+
+
+def _at_least(low: int) -> Any:
+    return field(metadata={"min": low})
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _check(hint: Any, value: Any, name: str) -> None:
+    """``value`` has the type ``hint`` names (int, float, str, a Literal of strings, a
+    nested record, or any of them | None); else ChannelError "<name> must be ...".
+    bool is not an int here, NaN and infinities are not floats."""
+    origin = typing.get_origin(hint)
+    if origin is typing.Union or origin is types.UnionType:
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return
+        (hint,) = [a for a in args if a is not type(None)]
+        origin = typing.get_origin(hint)
+    if origin is Literal:
+        if type(value) is not str or value not in typing.get_args(hint):
+            raise ChannelError(f"{name} must be one of {list(typing.get_args(hint))}, "
+                               f"not {_show(value)}")
+    elif hint is int:
+        if type(value) is not int or not -_INT_LIMIT <= value < _INT_LIMIT:
+            raise ChannelError(f"{name} must be an integer, not {_show(value)}")
+    elif hint is float:
+        if type(value) not in (int, float) or not math.isfinite(value):
+            raise ChannelError(f"{name} must be a number, not {_show(value)}")
+    elif hint is str:
+        if type(value) is not str:
+            raise ChannelError(f"{name} must be a string, not {_show(value)}")
+    elif isinstance(hint, type) and issubclass(hint, _Record):
+        if not isinstance(value, hint):
+            raise ChannelError(f"{name} must be an object, not {_show(value)}")
+    else:
+        raise TypeError(f"channel field {name}: unsupported type {hint}")
+
+
+def _record_type(hint: Any) -> type[_Record] | None:
+    """The record type a field holds (alone or | None), if any."""
+    for t in (hint, *typing.get_args(hint)):
+        if isinstance(t, type) and issubclass(t, _Record):
+            return t
+    return None
+
+
+@dataclass(frozen=True)
+class _Record:
+    """A record whose fields are checked (type and lower bound) when it is built."""
+
+    def __post_init__(self) -> None:
+        hints = _hints(type(self))
+        for f in fields(self):
+            value = getattr(self, f.name)
+            _check(hints[f.name], value, f.name)
+            low = f.metadata.get("min")
+            if low is not None and value is not None and value < low:
+                raise ChannelError(f"{f.name} must be at least {low}, not {_show(value)}")
+
+    @classmethod
+    def _from_json(cls, doc: Any) -> Any:
+        if not isinstance(doc, dict):
+            raise ChannelError(f"must be an object, not {_show(doc)}")
+        hints = _hints(cls)
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name not in doc:
+                if f.default is MISSING:
+                    raise ChannelError(f"{f.name} is missing")
+                continue
+            value = doc[f.name]
+            nested = _record_type(hints[f.name])
+            if nested is not None and value is not None:
+                try:
+                    value = nested._from_json(value)
+                except ChannelError as e:
+                    raise ChannelError(f"{f.name}: {e}") from None
+            values[f.name] = value
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class Message(_Record):
+    """One channel message; ``op`` names its kind on the wire."""
+
+    op: ClassVar[str] = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"op": self.op, **asdict(self)}
+
+
+# ---------------------------------------------------------------- to the agent
+
+
+@dataclass(frozen=True)
+class Hello(Message):
+    op: ClassVar[str] = "hello"
+    slot: int = _at_least(0)
+    pid: int = _at_least(1)
+
+
+@dataclass(frozen=True)
+class Resumed(Message):
+    op: ClassVar[str] = "resumed"
+    gen: int = _at_least(0)
+    rank: int = _at_least(0)
+    step: int
+    handoff_s: float = _at_least(0)
+    group_s: float = _at_least(0)
+    agree_s: float = _at_least(0)
+    transfer_s: float = _at_least(0)
+    bytes: int = _at_least(0)
+    donor: int | None
+    t: float
+    verify_s: float = field(default=0.0, metadata={"min": 0})
+    inexact: str = ""  # what of the rank's own state could not be had, ", "-separated
+
+
+@dataclass(frozen=True)
+class Stepped(Message):
+    op: ClassVar[str] = "stepped"
+    gen: int = _at_least(0)
+    rank: int = _at_least(0)
+    step: int
+    t: float
+
+
+@dataclass(frozen=True)
+class Finished(Message):
+    op: ClassVar[str] = "finished"
+    gen: int = _at_least(0)
+    rank: int = _at_least(0)
+    step: int
+
+
+@dataclass(frozen=True)
+class Fatal(Message):
+    op: ClassVar[str] = "fatal"
+    kind: Literal["state_lost", "diverged", "usage"]
+    message: str
+    rank: int | None
+    gen: int = _at_least(0)
+
+
+@dataclass(frozen=True)
+class Migrate(Message):
+    op: ClassVar[str] = "migrate"
+    rank: int = _at_least(0)
+
+
+# ---------------------------------------------------------------- to a worker
+
+
+@dataclass(frozen=True)
+class Handoff(_Record):
+    """A planned migration's direct state handoff, under store prefix ``prefix``."""
+
+    role: Literal["donor", "receiver"]
+    prefix: str
+
+
+@dataclass(frozen=True)
+class NewGeneration(Message):
+    op: ClassVar[str] = "generation"
+    gen: int = _at_least(0)
+    rank: int | None = _at_least(0)
+    world_size: int = _at_least(0)
+    master_addr: str
+    master_port: int = _at_least(1)
+    reason: str
+    boundary: int | None = None
+    handoff: Handoff | None = None
+    from_slot: int | None = None
+
+
+@dataclass(frozen=True)
+class Exit(Message):
+    op: ClassVar[str] = "exit"
+
+
+@dataclass(frozen=True)
+class Recovering(Message):
+    op: ClassVar[str] = "recovering"
+
+
+@dataclass(frozen=True)
+class Reply(Message):
+    op: ClassVar[str] = "reply"
+    message: str
+
+
+TO_AGENT: tuple[type[Message], ...] = (Hello, Resumed, Stepped, Finished, Fatal, Migrate)
+TO_WORKER: tuple[type[Message], ...] = (NewGeneration, Exit, Recovering, Reply)
+
+
+# ---------------------------------------------------------------- framing
+
+
+def encode(msg: Message) -> bytes:
+    """One message as its line."""
+    return json.dumps(msg.to_json(), allow_nan=False, separators=(",", ":")).encode() + b"\n"
+
+
+def decode(line: bytes | str, accept: Iterable[type[Message]]) -> Message:
+    """The message on ``line``, which must be one of the kinds in ``accept``.
+
+    Raises:
+        ChannelError: not JSON, not an object, an op not in ``accept``, a field missing
+            or of the wrong type or range (the message says which, in one line).
+    """
+    try:
+        doc = json.loads(line)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise ChannelError(f"not a JSON line ({str(e).splitlines()[0][:80]})") from None
+    if not isinstance(doc, dict):
+        raise ChannelError(f"not a JSON object: {_show(doc)}")
+    kinds = {kind.op: kind for kind in accept}
+    op = doc.get("op")
+    kind = kinds.get(op) if isinstance(op, str) else None
+    if kind is None:
+        raise ChannelError(f"op {_show(op)} is not one of {sorted(kinds)}")
+    try:
+        return kind._from_json(doc)
+    except ChannelError as e:
+        raise ChannelError(f"{op}: {e}") from None
+
+
+def send(sock: socket.socket, msg: Message | dict[str, Any]) -> None:
+    """Write one message (the whole line; the socket must be blocking or have a
+    timeout). A plain dict is sent as it is: the worker's side, until it sends typed
+    messages."""
+    sock.sendall(encode(msg) if isinstance(msg, Message) else json.dumps(msg).encode() + b"\n")
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a connected Unix socket, as
+    the kernel saw it when the connection was made (``SO_PEERCRED``)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size)
+    pid, uid, gid = _CREDS.unpack(creds)
+    return pid, uid, gid
 
 
 class LineReader:
-    """Splits a byte stream into messages."""
+    """Splits a byte stream into lines of at most :data:`MAX_LINE` bytes."""
 
     def __init__(self) -> None:
         self._buf = b""
 
-    def feed(self, data: bytes) -> list[dict[str, Any]]:
+    def lines(self, data: bytes) -> list[bytes]:
+        """The complete non-blank lines ``data`` ends; ChannelError if a line (complete
+        or not) is longer than :data:`MAX_LINE`."""
         self._buf += data
         *lines, self._buf = self._buf.split(b"\n")
-        return [json.loads(line) for line in lines if line.strip()]
+        if len(self._buf) > MAX_LINE or any(len(line) > MAX_LINE for line in lines):
+            raise ChannelError(f"a line longer than {MAX_LINE} bytes")
+        return [line for line in lines if line.strip()]
+
+    def feed(self, data: bytes) -> list[dict[str, Any]]:
+        """The lines as plain, unchecked dicts: the worker's reader, until it decodes
+        typed messages with :func:`decode`."""
+        return [json.loads(line) for line in self.lines(data)]
+
+
+# ---------------------------------------------------------------- progress board
 
 
 class ProgressBoard:
     """The shared per-slot committed-step board.
 
     Args:
-        path: the board file; created (zero-filled, every slot -1) if ``create``.
+        path: the board file. ``create`` (the agent): a new file, made without following
+            links and readable by the owner only (every slot -1); else an existing one.
         create: True in the agent, False in workers.
     """
 
     def __init__(self, path: str, create: bool = False) -> None:
         self.path = path
         size = BOARD_SLOTS * _STEP.size
-        if create:
-            with open(path, "wb") as f:
-                f.write(_STEP.pack(-1) * BOARD_SLOTS)
-        fd = os.open(path, os.O_RDWR)
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600) if create else \
+            os.open(path, flags)
         try:
+            if create:
+                os.ftruncate(fd, size)
             self._mm = mmap.mmap(fd, size)
         finally:
             os.close(fd)
+        if create:
+            self._mm[:] = _STEP.pack(-1) * BOARD_SLOTS
 
     def write(self, slot: int, step: int) -> None:
         if 0 <= slot < BOARD_SLOTS:

@@ -1,17 +1,21 @@
 """``tp-run migrate --rank R``: move a rank of a running job to a parked spare.
 
-The agent of a resilient job listens on ``<tmp>/tp-run-<uid>/<agent pid>.sock`` (its
-status, with the run id, ranks and parked spares, is beside it as ``.json``). This
-command finds the agent (the only one running, or the one named by ``--run-id`` or
-``--agent-pid``), asks it to migrate the rank, and prints its answer. The agent stops
-every rank right after a step boundary a couple of steps ahead, the rank hands its
-state to the spare and exits 0, and training goes on with no step recomputed.
+The agent of a resilient job listens on ``<control dir>/<agent pid>.sock``, in a control
+directory private to the user who runs the job (:mod:`tp_launch.control_files`); its
+status, with the run id, ranks and parked spares, is beside it as ``.json``. This
+command finds the caller's own agents there (the only one running, or the one named by
+``--run-id`` or ``--agent-pid``), asks it to migrate the rank, and prints its answer.
+The agent stops every rank right after a step boundary a couple of steps ahead, the
+rank hands its state to the spare and exits 0, and training goes on with no step
+recomputed.
+
+Only the job's owner can do this: another user's jobs are not listed, an
+``--agent-pid`` of another user's process is refused with an error, and the agent itself
+refuses connections from any other uid (``SO_PEERCRED``).
 """
 
 from __future__ import annotations
 
-import glob
-import json
 import os
 import socket
 import sys
@@ -19,21 +23,46 @@ import sys
 import click
 
 from tp_launch import channel
-from tp_launch.agent.resilient_agent import control_dir
+from tp_launch.control_files import AgentStatus, find_agents
 
 
-def _agents() -> list[dict]:
-    found = []
-    for path in glob.glob(os.path.join(control_dir(), "*.sock.json")):
-        try:
-            with open(path) as f:
-                status = json.load(f)
-            os.kill(status["pid"], 0)
-        except (OSError, ValueError, KeyError):
-            continue
-        status["socket"] = path[: -len(".json")]  # <pid>.sock.json -> <pid>.sock
-        found.append(status)
-    return found
+def _check_owner(pid: int) -> None:
+    """``--agent-pid``: refuse a process of another user, whoever asks (root too)."""
+    try:
+        owner = os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return  # no such process: "no running agent" says it
+    if owner != os.getuid():
+        raise click.ClickException(f"pid {pid} belongs to uid {owner}, not to you (uid "
+                                   f"{os.getuid()}): tp-run migrate acts only on your own jobs")
+
+
+def _ask(agent: AgentStatus, request: channel.Migrate) -> str:
+    """Send ``request`` to the agent; its reply's message."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(30)
+    try:
+        sock.connect(agent.socket)
+        _, uid, _ = channel.peer_credentials(sock)
+        if uid != os.getuid():
+            raise click.ClickException(f"the socket {agent.socket} is served by uid {uid}, "
+                                       "not by you")
+        channel.send(sock, request)
+        reader = channel.LineReader()
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                raise click.ClickException("the agent closed the connection")
+            for line in reader.lines(data):
+                reply = channel.decode(line, (channel.Reply,))
+                assert isinstance(reply, channel.Reply)
+                return reply.message
+    except channel.ChannelError as e:
+        raise click.ClickException(f"bad reply from the agent: {e}") from None
+    except OSError as e:
+        raise click.ClickException(f"cannot reach the agent: {e}") from None
+    finally:
+        sock.close()
 
 
 @click.command(name="tp-run migrate", context_settings={"help_option_names": ["-h", "--help"]})
@@ -42,33 +71,20 @@ def _agents() -> list[dict]:
 @click.option("--agent-pid", type=int, default=None, help="The tp-run agent's pid.")
 def migrate(rank: int, run_id: str | None, agent_pid: int | None) -> None:
     """Move RANK of a running resilient job to a parked spare at the next step boundary."""
-    agents = [a for a in _agents()
-              if (run_id is None or a["run_id"] == run_id)
-              and (agent_pid is None or a["pid"] == agent_pid)]
+    if agent_pid is not None:
+        _check_owner(agent_pid)
+    agents = [a for a in find_agents()
+              if (run_id is None or a.run_id == run_id)
+              and (agent_pid is None or a.pid == agent_pid)]
     if not agents:
         raise click.ClickException("no running tp-run agent with --spares found"
-                                   + (" for that job" if run_id or agent_pid else ""))
+                                   + (" for that job" if run_id or agent_pid else "")
+                                   + " among your own jobs")
     if len(agents) > 1:
-        listing = ", ".join(f"pid {a['pid']} (run id {a['run_id']})" for a in agents)
+        listing = ", ".join(f"pid {a.pid} (run id {a.run_id})" for a in agents)
         raise click.ClickException(f"several tp-run agents run ({listing}): name one "
                                    "with --run-id or --agent-pid")
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(30)
-    try:
-        sock.connect(agents[0]["socket"])
-        channel.send(sock, {"op": "migrate", "rank": rank})
-        reader = channel.LineReader()
-        replies: list[dict] = []
-        while not replies:
-            data = sock.recv(65536)
-            if not data:
-                raise click.ClickException("the agent closed the connection")
-            replies = reader.feed(data)
-    except OSError as e:
-        raise click.ClickException(f"cannot reach the agent: {e}") from None
-    finally:
-        sock.close()
-    message = replies[0]["message"]
+    message = _ask(agents[0], channel.Migrate(rank))
     click.echo(f"tp-run migrate: {message}")
     sys.exit(0 if message.startswith("ok") else 1)
 

@@ -262,11 +262,11 @@ class Job:
     def parked_spares(self) -> int:
         """Spares the tp-run agent reports parked (its status file), for gating kills."""
         try:
-            from tp_launch.agent.resilient_agent import control_dir
-            with open(os.path.join(control_dir(), f"{self.procs[0].pid}.sock.json")) as f:
-                return len(json.load(f)["parked_spares"])
-        except (ImportError, OSError, ValueError, KeyError):
+            from tp_launch.control_files import find_agents
+        except ImportError:
             return 0
+        pid = self.procs[0].pid
+        return next((len(a.parked_spares) for a in find_agents() if a.pid == pid), 0)
 
     def run(self, kills: list[tuple[int, int]]) -> Sample:
         """Launch, inject the kills, wait for the end; the raw sample (no reference)."""

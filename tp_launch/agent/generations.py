@@ -92,7 +92,8 @@ class SharedGenerations:
         self.node = membership.id
         self._round_store = (info.master_addr, info.master_port)
         try:
-            self._host = StoreHost("", 0)  # the store of the generations this agent publishes
+            # The store of the generations this agent publishes, on the address it names.
+            self._host = StoreHost(membership.addr, 0)
         except OSError as e:
             raise RendezvousError(str(e)) from None
         try:

@@ -24,6 +24,11 @@ One attempt, on top of the compatible agent (:mod:`tp_launch.agent.node_agent`):
 A planned migration (``tp-run migrate --rank R``, through the control socket) is the same
 generation change with a boundary step and a handoff from R to the spare.
 
+The channel's server side (the control socket, with its peer checks and message
+validation, the status file and the progress board, all in a private control directory)
+is :mod:`tp_launch.agent.control_server`; this module holds what the agent does with the
+messages.
+
 Each recovery is one JSON line in ``<run log dir>/recovery.jsonl`` and one line on the
 console (multi-node: on every node, with that node's ranks' timings).
 """
@@ -35,9 +40,7 @@ import logging
 import os
 import selectors
 import signal
-import socket
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,12 +49,14 @@ from rendezvous import RendezvousInfo
 from rendezvous.membership import CHANGE_FAILURE, CHANGE_LOST, WorldChange
 from tp_launch import channel
 from tp_launch.agent.control import CrashLoop, Generation, World, place
+from tp_launch.agent.control_server import Conn, ControlServer
 from tp_launch.agent.generations import LocalGenerations, SharedGenerations, View
-from tp_launch.agent.failures import ProcessFailure, copy_root_cause, format_summary
+from tp_launch.agent.failures import ProcessFailure
 from tp_launch.agent.node_agent import AttemptResult, NodeAgent, SignalWatch
 from tp_launch.agent.worker_env import spare_env, worker_argv, worker_env
 from tp_launch.config import ConfigError
-from tp_launch.procs.logs import AttemptLogs, ConsoleTail, RankLogs
+from tp_launch.control_files import AgentStatus
+from tp_launch.procs.logs import ConsoleTail, RankLogs
 from tp_launch.procs.worker import WorkerProcess, stop_workers
 
 logger = logging.getLogger(__name__)
@@ -66,11 +71,6 @@ _MIGRATION_MARGIN = 2
 _VIEW_POLL_S = 2.0
 
 
-def control_dir() -> str:
-    """Where running agents keep their channel sockets (one per agent pid)."""
-    return os.path.join(tempfile.gettempdir(), f"tp-run-{os.getuid()}")
-
-
 @dataclass
 class Proc:
     """One process of the attempt: a rank, a parked spare, or a retired rank."""
@@ -78,7 +78,7 @@ class Proc:
     slot: int
     worker: WorkerProcess
     logs: RankLogs
-    conn: socket.socket | None = None
+    conn: Conn | None = None
     hello: bool = False
 
 
@@ -92,7 +92,7 @@ class Recovery:
     decided: float = 0.0
     failed: list[dict[str, Any]] = field(default_factory=list)
     promoted: list[dict[str, Any]] = field(default_factory=list)
-    resumed: dict[int, dict[str, Any]] = field(default_factory=dict)
+    resumed: dict[int, channel.Resumed] = field(default_factory=dict)
     stepped: dict[int, float] = field(default_factory=dict)
 
 
@@ -116,8 +116,6 @@ class ResilientAgent(NodeAgent):
                               f"{self.config.rdzv_backend!r}")
         if membership is not None:
             self.rdzv.accept_spare_nodes()  # type: ignore[attr-defined]
-        os.makedirs(control_dir(), exist_ok=True)
-        self._control_path = os.path.join(control_dir(), f"{os.getpid()}.sock")
         self._no_restart = False
         return super().run()
 
@@ -153,15 +151,18 @@ class ResilientAgent(NodeAgent):
         self._holders: set[int] = set()  # this node's ranks whose process holds the state
         self._origin: dict[int, int] = {}  # rank -> slot of its last holder (newcomers)
         membership = getattr(self.rdzv, "membership", None)
-        self._gens: LocalGenerations | SharedGenerations = \
-            SharedGenerations(membership, info) if membership is not None else \
-            LocalGenerations(info)
-        board_dir = logs.attempt_dir if os.path.isdir(logs.attempt_dir) else tempfile.mkdtemp()
-        self._board = channel.ProgressBoard(os.path.join(board_dir, ".progress"), create=True)
-        self._server = self._listen()
+        self._control = ControlServer(self._on_message)
+        try:
+            self._gens: LocalGenerations | SharedGenerations = \
+                SharedGenerations(membership, info) if membership is not None else \
+                LocalGenerations(info)
+        except BaseException:
+            self._control.close()
+            raise
+        self._board = self._control.board
         self._sel = selectors.DefaultSelector()
         self._sel.register(watch.fd, selectors.EVENT_READ, ("signal", None))
-        self._sel.register(self._server, selectors.EVENT_READ, ("accept", None))
+        self._control.register(self._sel)
         if self._gens.fd is not None:
             self._sel.register(self._gens.fd, selectors.EVENT_READ, ("world", None))
         self._gen = self._gens.initial()
@@ -198,7 +199,7 @@ class ResilientAgent(NodeAgent):
         cfg, info = self.config, self._info
         make_env = spare_env if spare else worker_env
         env = make_env(cfg, info, slot, self._restart_count, rl.error_file)
-        env.update({channel.ENV_SOCKET: self._control_path, channel.ENV_SLOT: str(slot),
+        env.update({channel.ENV_SOCKET: self._control.path, channel.ENV_SLOT: str(slot),
                     channel.ENV_PROGRESS: self._board.path})
         if cfg.verify_every:
             env[channel.ENV_VERIFY_EVERY] = str(cfg.verify_every)
@@ -228,85 +229,40 @@ class ResilientAgent(NodeAgent):
 
     # ------------------------------------------------------------------ channel
 
-    def _listen(self) -> socket.socket:
-        try:
-            os.unlink(self._control_path)
-        except FileNotFoundError:
-            pass
-        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        server.bind(self._control_path)
-        server.listen(256)
-        server.setblocking(False)
-        return server
-
     def _write_status(self) -> None:
-        """``<control dir>/<pid>.json``: for ``tp-run migrate`` and for people."""
+        """The status file (for ``tp-run migrate``, ``parked_spares()`` and people)."""
         world = self._world
-        status = {"run_id": self.rdzv.run_id, "pid": os.getpid(), "generation": world.gen,
-                  "ranks": {r: self._procs[s].worker.pid for r, s in world.slot_of.items()},
-                  "parked_spares": [self._procs[s].worker.pid for s in world.parked]}
-        tmp = self._control_path + ".json.tmp"
-        with open(tmp, "w") as f:
-            json.dump(status, f)
-        os.replace(tmp, self._control_path + ".json")
+        self._control.write_status(AgentStatus(
+            self.rdzv.run_id, os.getpid(), world.gen,
+            {r: self._procs[s].worker.pid for r, s in world.slot_of.items()},
+            [self._procs[s].worker.pid for s in world.parked]))
         if isinstance(self._gens, SharedGenerations):
             self._gens.set_parked(len(world.parked))
 
     def _close_channel(self) -> None:
-        for key in list(self._sel.get_map().values()):
-            kind, obj = key.data
-            if kind == "conn":
-                obj[0].close()
+        self._control.close()
         self._sel.close()
-        self._server.close()
-        self._board.close()
-        for path in (self._control_path, self._control_path + ".json"):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
 
-    def _accept(self) -> None:
-        try:
-            conn, _ = self._server.accept()
-        except BlockingIOError:
-            return
-        conn.setblocking(True)
-        self._sel.register(conn, selectors.EVENT_READ, ("conn", (conn, channel.LineReader())))
-
-    def _read_conn(self, conn: socket.socket, reader: channel.LineReader) -> None:
-        try:
-            data = conn.recv(65536)
-        except OSError:
-            data = b""
-        if not data:
-            self._sel.unregister(conn)
-            conn.close()
-            return
-        for msg in reader.feed(data):
-            self._on_message(conn, msg)
-
-    def _tell(self, slot: int, msg: dict[str, Any]) -> None:
+    def _tell(self, slot: int, msg: channel.Message) -> None:
         proc = self._procs.get(slot)
-        if proc is None or proc.conn is None or proc.worker.returncode is not None:
-            return
-        try:
-            channel.send(proc.conn, msg)
-        except OSError:
-            pass  # it is dying: its pidfd says so in a moment
+        if proc is not None and proc.worker.returncode is None:
+            self._control.send(proc.conn, msg)
 
-    def _generation_msg(self, rank: int | None, **extra: Any) -> dict[str, Any]:
+    def _generation_msg(self, rank: int | None, handoff: channel.Handoff | None = None,
+                        from_slot: int | None = None) -> channel.NewGeneration:
         g = self._gen
-        return {"op": "generation", "gen": g.gen, "rank": rank, "world_size": g.world_size,
-                "master_addr": g.store[0], "master_port": g.store[1],
-                "reason": g.reason, "boundary": g.boundary, **extra}
+        return channel.NewGeneration(gen=g.gen, rank=rank, world_size=g.world_size,
+                                     master_addr=g.store[0], master_port=g.store[1],
+                                     reason=g.reason, boundary=g.boundary, handoff=handoff,
+                                     from_slot=from_slot)
 
-    def _on_message(self, conn: socket.socket, msg: dict[str, Any]) -> None:
-        op = msg.get("op")
-        if op == "hello":
-            proc = self._procs.get(msg["slot"])
+    def _on_message(self, conn: Conn, msg: channel.Message) -> channel.Message | None:
+        """A checked message from one of this node's processes (or ``tp-run migrate``)."""
+        if isinstance(msg, channel.Hello):
+            proc = self._procs.get(msg.slot)
             if proc is None:
-                return
+                raise channel.ChannelError(f"hello from slot {msg.slot}, which this agent "
+                                           "did not start")
             proc.conn, proc.hello = conn, True
             self._resilient = True
             rank = self._slot_rank(proc.slot)
@@ -320,39 +276,37 @@ class ResilientAgent(NodeAgent):
                 if self._waiting:
                     self._recover({}, self._waiting_since)
                 self._write_status()
-        elif op == "resumed" and msg["gen"] == self._world.gen:
-            self._holders.add(msg["rank"])
-            self._origin.pop(msg["rank"], None)
-            if self._recovery and msg["gen"] == self._recovery.gen:
-                self._recovery.resumed[msg["rank"]] = msg
-        elif op == "stepped" and self._recovery and msg["gen"] == self._recovery.gen:
-            self._recovery.stepped.setdefault(msg["rank"], msg["t"])
+        elif isinstance(msg, channel.Resumed) and msg.gen == self._world.gen:
+            self._holders.add(msg.rank)
+            self._origin.pop(msg.rank, None)
+            if self._recovery and msg.gen == self._recovery.gen:
+                self._recovery.resumed[msg.rank] = msg
+        elif isinstance(msg, channel.Stepped) and self._recovery and \
+                msg.gen == self._recovery.gen:
+            self._recovery.stepped.setdefault(msg.rank, msg.t)
             self._maybe_report()
-        elif op == "finished" and msg["gen"] == self._world.gen:
-            self._finished.add(msg["rank"])
-            if self._recovery and msg["rank"] not in self._recovery.stepped:
-                self._recovery.stepped[msg["rank"]] = time.time()
+        elif isinstance(msg, channel.Finished) and msg.gen == self._world.gen:
+            self._finished.add(msg.rank)
+            if self._recovery and msg.rank not in self._recovery.stepped:
+                self._recovery.stepped[msg.rank] = time.time()
                 self._maybe_report()
             if self._finished >= set(self._world.slot_of) and not self._unplaced:
                 if isinstance(self._gens, SharedGenerations):
                     self._gens.mark_finished(self._world.gen)  # the others' view ends it
                 else:
                     self._end_job()
-        elif op == "fatal":
+        elif isinstance(msg, channel.Fatal):
             self._on_fatal(msg)
-        elif op == "migrate":
-            reply = self._migrate(int(msg["rank"]))
-            try:
-                channel.send(conn, {"op": "reply", "message": reply})
-            except OSError:
-                pass
+        elif isinstance(msg, channel.Migrate):
+            return channel.Reply(self._migrate(msg.rank))
+        return None
 
-    def _on_fatal(self, msg: dict[str, Any]) -> None:
+    def _on_fatal(self, msg: channel.Fatal) -> None:
         """A rank found that the job cannot go on exactly: stop it, with that reason."""
         if self._exiting:
             return
-        detail = f"rank {msg.get('rank')}: {msg.get('message')}"
-        if msg.get("kind") == "state_lost":
+        detail = f"rank {msg.rank}: {msg.message}"
+        if msg.kind == "state_lost":
             self._state_lost(detail)
         print(f"tp-run: error: {detail}", file=sys.stderr, flush=True)
         self._report(detail, final=True)
@@ -377,7 +331,7 @@ class ResilientAgent(NodeAgent):
         """Every rank finished: past the exit barrier, nothing is left to recover."""
         self._exiting = True
         for proc in self._procs.values():
-            self._tell(proc.slot, {"op": "exit"})
+            self._tell(proc.slot, channel.Exit())
 
     # ------------------------------------------------------------------ monitoring
 
@@ -392,10 +346,8 @@ class ResilientAgent(NodeAgent):
                 kind, obj = key.data
                 if kind == "signal":
                     watch.drain()
-                elif kind == "accept":
-                    self._accept()
-                elif kind == "conn":
-                    self._read_conn(*obj)
+                elif kind == ControlServer.KIND:
+                    self._control.on_event(obj)
                 elif kind == "world":
                     world_changed = True
                 elif kind == "exit" and obj.worker.returncode is not None:
@@ -590,7 +542,7 @@ class ResilientAgent(NodeAgent):
                                dead, self.config.spare_wait_timeout)
                 for rank, slot in self._world.slot_of.items():
                     if rank not in lost:
-                        self._tell(slot, {"op": "recovering"})
+                        self._tell(slot, channel.Recovering())
             self._waiting = lost
             self._spawn_missing_spares()
             return
@@ -613,7 +565,7 @@ class ResilientAgent(NodeAgent):
         self._unplaced = placed.unplaced
         if placed.promoted:
             self._pool = self.config.spares  # a spare node is an active node now
-        handoffs: dict[int, dict[str, Any]] = {}
+        handoffs: dict[int, channel.Handoff] = {}
         for rank, slot in placed.released.items():
             if not self._alive(slot):
                 continue
@@ -621,9 +573,8 @@ class ResilientAgent(NodeAgent):
             prefix = f"tp-run/g{g.gen}/handoff/{rank}"
             if g.boundary is not None and rank in placed.promoted:
                 # A planned migration: the leaving rank hands its state over.
-                handoffs[rank] = {"role": "receiver", "prefix": prefix}
-                self._tell(slot, self._generation_msg(None, handoff={"role": "donor",
-                                                                      "prefix": prefix}))
+                handoffs[rank] = channel.Handoff("receiver", prefix)
+                self._tell(slot, self._generation_msg(None, channel.Handoff("donor", prefix)))
             else:
                 self._tell(slot, self._generation_msg(None))  # retire it
         superseded = self._recovery if self._recovery and not self._recovery.resumed else None
@@ -714,23 +665,23 @@ class ResilientAgent(NodeAgent):
         if rec is None:
             return
         resumed = rec.resumed.values()
-        resumed_at = max((m["t"] for m in resumed), default=None)
+        resumed_at = max((m.t for m in resumed), default=None)
         first_step = max(rec.stepped.values(), default=None)
         event = {
             "event": "recovery", "reason": rec.reason, "generation": rec.gen,
             "failed": rec.failed, "promoted": rec.promoted,
             "failed_ranks": [f["rank"] for f in rec.failed],
-            "step": max((m["step"] for m in resumed), default=None),
+            "step": max((m.step for m in resumed), default=None),
             "detected_at": rec.detected,
             "decide_s": rec.decided - rec.detected,
-            "handoff_s": max((m["handoff_s"] for m in resumed), default=0.0),
-            "rebuild_s": max((m["group_s"] for m in resumed), default=None),
-            "agree_s": max((m["agree_s"] for m in resumed), default=None),
-            "transfer_s": max((m["transfer_s"] for m in resumed), default=None),
-            "verify_s": max((m.get("verify_s", 0.0) for m in resumed), default=None),
-            "inexact": sorted({f"rank {m['rank']}: {what}" for m in resumed
-                               for what in m.get("inexact") or []}),
-            "bytes": sum(m["bytes"] for m in resumed),
+            "handoff_s": max((m.handoff_s for m in resumed), default=0.0),
+            "rebuild_s": max((m.group_s for m in resumed), default=None),
+            "agree_s": max((m.agree_s for m in resumed), default=None),
+            "transfer_s": max((m.transfer_s for m in resumed), default=None),
+            "verify_s": max((m.verify_s for m in resumed), default=None),
+            "inexact": sorted({f"rank {m.rank}: {what}" for m in resumed
+                               for what in m.inexact.split(", ") if what}),
+            "bytes": sum(m.bytes for m in resumed),
             "resumed_s": None if resumed_at is None else resumed_at - rec.detected,
             "first_step_s": None if first_step is None or resumed_at is None
             else first_step - resumed_at,

@@ -38,18 +38,17 @@ are plain counters.
 from __future__ import annotations
 
 import datetime
-import json
 import logging
 import os
 import socket
 import sys
 import threading
 import time
-from typing import Any, Callable, TypeVar
+from typing import Callable, TypeVar
 
 import torch.distributed as dist
 
-from tp_launch import channel
+from tp_launch import channel, control_files
 from tp_launch.resilient import group, per_rank, rng
 from tp_launch.resilient.ddp import Layouts
 from tp_launch.resilient.rollback import Rollback
@@ -87,12 +86,12 @@ class AgentLink:
         self.sock.connect(path)
         self.board = channel.ProgressBoard(board) if board else None
         self._cond = threading.Condition()
-        self._latest: dict[str, Any] | None = None
+        self._latest: channel.NewGeneration | None = None
         self._exit = False
         self._recovering = False  # the agent is waiting for a spare: wait without limit
         self.current_gen = -1
         self.report_first_step = False
-        channel.send(self.sock, {"op": "hello", "slot": slot, "pid": os.getpid()})
+        self.send(channel.Hello(slot=slot, pid=os.getpid()))
         threading.Thread(target=self._read, name="tp-agent-link", daemon=True).start()
 
     @classmethod
@@ -107,6 +106,11 @@ class AgentLink:
         while True:
             try:
                 data = self.sock.recv(65536)
+                lines = reader.lines(data) if data else []
+                messages = [channel.decode(line, channel.TO_WORKER) for line in lines]
+            except channel.ChannelError as e:
+                logger.error("the agent sent a message this process cannot read: %s", e)
+                data = b""
             except OSError:
                 data = b""
             if not data:
@@ -115,26 +119,26 @@ class AgentLink:
                     self._exit = True
                     self._cond.notify_all()
                 return
-            for msg in reader.feed(data):
+            for msg in messages:
                 with self._cond:
-                    if msg["op"] == "generation":
-                        if self._latest is None or msg["gen"] > self._latest["gen"]:
+                    if isinstance(msg, channel.NewGeneration):
+                        if self._latest is None or msg.gen > self._latest.gen:
                             self._latest = msg
-                    elif msg["op"] == "exit":
+                    elif isinstance(msg, channel.Exit):
                         self._exit = True
-                    elif msg["op"] == "recovering":
+                    elif isinstance(msg, channel.Recovering):
                         self._recovering = True
                     self._cond.notify_all()
-                if msg["op"] == "generation" and msg.get("boundary") is None:
+                if isinstance(msg, channel.NewGeneration) and msg.boundary is None:
                     group.abort_nccl()  # gloo needs no help: see group.py
 
-    def send(self, msg: dict[str, Any]) -> None:
+    def send(self, msg: channel.Message) -> None:
         channel.send(self.sock, msg)
 
-    def newer(self) -> dict[str, Any] | None:
+    def newer(self) -> channel.NewGeneration | None:
         """The announced generation if it is newer than the current one."""
         latest = self._latest
-        return latest if latest is not None and latest["gen"] > self.current_gen else None
+        return latest if latest is not None and latest.gen > self.current_gen else None
 
     def stale(self) -> bool:
         return self.newer() is not None
@@ -146,12 +150,9 @@ class AgentLink:
             while not self._exit and time.monotonic() < deadline:
                 self._cond.wait(deadline - time.monotonic())
 
-    def wait(self, timeout: float | None, want_exit: bool = False) -> dict[str, Any] | None:
-        """Block until a newer generation (or, with ``want_exit``, the exit) arrives.
-
-        Returns the generation, ``{"op": "exit"}``, or None on timeout. A parked spare
-        also leaves on exit: the job is over.
-        """
+    def wait(self, timeout: float | None) -> channel.NewGeneration | channel.Exit | None:
+        """Block until a newer generation or the exit arrives (None: ``timeout``
+        passed). A parked spare also leaves on exit: the job is over."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
@@ -159,7 +160,7 @@ class AgentLink:
                 if newer is not None:
                     return newer
                 if self._exit:
-                    return {"op": "exit"}
+                    return channel.Exit()
                 if self._recovering:
                     deadline = None
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -173,11 +174,8 @@ def parked_spares() -> int:
     path = os.environ.get(channel.ENV_SOCKET)
     if not path:
         return 0
-    try:
-        with open(path + ".json") as f:
-            return len(json.load(f)["parked_spares"])
-    except (OSError, ValueError, KeyError):
-        return 0
+    status = control_files.read_status(path)
+    return 0 if status is None else len(status.parked_spares)
 
 
 def run(train: Callable[[State], T], state: State, *, backend: str | None = None,
@@ -229,9 +227,8 @@ class _ResilientHooks(Hooks):
             link.board.write(link.slot, state.step)
         if link.report_first_step:
             link.report_first_step = False
-            link.send({"op": "stepped", "gen": link.current_gen,
-                       "rank": int(os.environ.get("RANK", "-1")), "step": state.step,
-                       "t": time.time()})
+            link.send(channel.Stepped(gen=link.current_gen, rank=r.rank, step=state.step,
+                                      t=time.time()))
         if self.verify_every and state.step % self.verify_every == 0 \
                 and state.step != self._verified and not state.cursor.ended:
             self._verified = state.step
@@ -239,10 +236,8 @@ class _ResilientHooks(Hooks):
 
     def check(self, state: State) -> None:
         newer = self.r.link.newer()
-        if newer is not None:
-            boundary = newer.get("boundary")
-            if boundary is None or state.step >= boundary:
-                raise GenerationChanged(f"generation {newer['gen']} at step {state.step}")
+        if newer is not None and (newer.boundary is None or state.step >= newer.boundary):
+            raise GenerationChanged(f"generation {newer.gen} at step {state.step}")
 
 
 class _Runner:
@@ -256,6 +251,7 @@ class _Runner:
         self.layouts = Layouts(lambda: state.cursor.step)
         self.layouts.install()
         self.carrier = Carrier.of(state, self.rollback, self.layouts)
+        self.rank = -1
         board = os.environ.get(channel.ENV_PROGRESS)
         self.record = _open_record(f"{board}.slot{link.slot}", create=True) if board else None
         # A rank process starts with the state it built (or loaded); a spare holds none.
@@ -266,21 +262,21 @@ class _Runner:
         link = self.link
         announced = link.wait(None)
         while True:
-            if announced.get("op") == "exit":
+            if not isinstance(announced, channel.NewGeneration):
                 # Parked until the job ended (or the agent went away): nothing to do.
                 sys.exit(0)
             gen = announced
-            link.current_gen = gen["gen"]
+            link.current_gen = gen.gen
             try:
-                if gen.get("rank") is None:
+                if gen.rank is None:
                     self._retire(gen)  # not a rank in this generation
+                self.rank = gen.rank
                 self._enter(gen)
                 result = train(self.state)
                 self.state.end()
-                link.send({"op": "finished", "gen": gen["gen"], "rank": gen["rank"],
-                           "step": self.state.step})
-                announced = link.wait(None, want_exit=True)
-                if announced.get("op") == "exit":
+                link.send(channel.Finished(gen=gen.gen, rank=gen.rank, step=self.state.step))
+                announced = link.wait(None)
+                if isinstance(announced, channel.Exit):
                     return result  # the group stays up for the script's epilogue
             except GenerationChanged:
                 pass
@@ -290,7 +286,7 @@ class _Runner:
                 if not _is_communication_error(e) and not link.stale():
                     raise
                 logger.info("rank %s: %s: %s; moving to the next generation",
-                            gen.get("rank"), type(e).__name__, e)
+                            gen.rank, type(e).__name__, e)
             # Out of the except block the traceback is gone, and with it the frames
             # that held DDP and the old group: teardown can now really drop the group,
             # which is what releases the peers still blocked in it (gloo).
@@ -302,33 +298,33 @@ class _Runner:
                 raise RuntimeError("a collective failed and no new generation came from "
                                    f"the agent within {RECOVERY_WAIT_S:.0f} s")
 
-    def _enter(self, gen: dict[str, Any]) -> None:
+    def _enter(self, gen: channel.NewGeneration) -> None:
         """Join generation ``gen``: handoff (migration), group, agreement, transfer."""
         link, state = self.link, self.state
+        assert gen.rank is not None
         t0 = time.monotonic()
-        store = group.connect_store(gen["master_addr"], gen["master_port"])
-        handoff = gen.get("handoff")
+        store = group.connect_store(gen.master_addr, gen.master_port)
         handoff_bytes = 0
-        if handoff is not None and handoff["role"] == "receiver":
-            handoff_bytes = self._handoff(store, handoff, receiver=True)
+        if gen.handoff is not None and gen.handoff.role == "receiver":
+            handoff_bytes = self._handoff(store, gen.handoff, receiver=True)
         t1 = time.monotonic()
-        group.build(store, gen["gen"], gen["rank"], gen["world_size"], self.backend,
-                    self.timeout, link.stale)
+        group.build(store, gen.gen, gen.rank, gen.world_size, self.backend, self.timeout,
+                    link.stale)
         t2 = time.monotonic()
-        os.environ.update({"RANK": str(gen["rank"]), "WORLD_SIZE": str(gen["world_size"]),
-                           "ROLE_RANK": str(gen["rank"]),
-                           "ROLE_WORLD_SIZE": str(gen["world_size"])})
-        fresh = gen.get("reason") == "start"
+        os.environ.update({"RANK": str(gen.rank), "WORLD_SIZE": str(gen.world_size),
+                           "ROLE_RANK": str(gen.rank), "ROLE_WORLD_SIZE": str(gen.world_size)})
+        fresh = gen.reason == "start"
         stats = agree_and_transfer(self.carrier, fresh=fresh, predecessor=self._predecessor(gen))
         self.layouts.keep_buffers = not fresh
         self.rollback.refresh_layout()
         self.rollback.capture()
-        link.send({"op": "resumed", "gen": gen["gen"], "rank": gen["rank"], "step": stats.step,
-                   "handoff_s": t1 - t0, "group_s": t2 - t1, "agree_s": stats.agree_s,
-                   "transfer_s": stats.transfer_s, "verify_s": stats.verify_s,
-                   # Received only: a donor's sent bytes are some receiver's received ones.
-                   "bytes": (stats.bytes if stats.donor is not None else 0) + handoff_bytes,
-                   "donor": stats.donor, "inexact": stats.inexact, "t": time.time()})
+        link.send(channel.Resumed(
+            gen=gen.gen, rank=gen.rank, step=stats.step, handoff_s=t1 - t0,
+            group_s=t2 - t1, agree_s=stats.agree_s, transfer_s=stats.transfer_s,
+            # Received only: a donor's sent bytes are some receiver's received ones.
+            bytes=(stats.bytes if stats.donor is not None else 0) + handoff_bytes,
+            donor=stats.donor, t=time.time(), verify_s=stats.verify_s,
+            inexact=", ".join(stats.inexact)))
         if link.board is not None:
             link.board.write(link.slot, state.step)
         link._recovering = False
@@ -355,9 +351,9 @@ class _Runner:
                            "state is off", e)
             self.record = None
 
-    def _predecessor(self, gen: dict[str, Any]) -> Callable[[int], per_rank.Entry | None]:
+    def _predecessor(self, gen: channel.NewGeneration) -> Callable[[int], per_rank.Entry | None]:
         """What the previous process of this rank left on this node, by step."""
-        slot = gen.get("from_slot")
+        slot = gen.from_slot
         board = os.environ.get(channel.ENV_PROGRESS)
 
         def at(step: int) -> per_rank.Entry | None:
@@ -376,18 +372,17 @@ class _Runner:
 
         return at
 
-    def _retire(self, gen: dict[str, Any]) -> None:
+    def _retire(self, gen: channel.NewGeneration) -> None:
         """This rank leaves (planned migration): hand the state over, then exit 0."""
-        handoff = gen.get("handoff")
-        if handoff is not None and handoff["role"] == "donor":
-            store = group.connect_store(gen["master_addr"], gen["master_port"])
-            self._handoff(store, handoff, receiver=False)
+        if gen.handoff is not None and gen.handoff.role == "donor":
+            store = group.connect_store(gen.master_addr, gen.master_port)
+            self._handoff(store, gen.handoff, receiver=False)
         logger.info("slot %s retired at step %s", self.link.slot, self.state.step)
         sys.exit(0)
 
-    def _handoff(self, store: dist.Store, handoff: dict[str, Any], receiver: bool) -> int:
+    def _handoff(self, store: dist.Store, handoff: channel.Handoff, receiver: bool) -> int:
         """Move the state from the retiring rank (0) to its replacement (1)."""
-        pstore = dist.PrefixStore(handoff["prefix"], store)
+        pstore = dist.PrefixStore(handoff.prefix, store)
         group.arrival_barrier(pstore, "arrived", 2, self.link.stale)
         pg = dist.ProcessGroupGloo(pstore, 1 if receiver else 0, 2, self.timeout)
         try:
@@ -401,13 +396,14 @@ class _Runner:
         finally:
             del pg
 
-    def _fatal(self, gen: dict[str, Any], e: Exception) -> None:
-        """The job cannot go on exactly: one line, tell the agent, wait to be stopped."""
+    def _fatal(self, gen: channel.NewGeneration, e: Exception) -> None:
+        """The job cannot go on exactly: tell the agent (it prints the one line and
+        stops the job), wait to be stopped."""
         kind = {StateLost: "state_lost", Diverged: "diverged"}.get(type(e), "usage")
-        logger.info("rank %s: %s", gen.get("rank"), e)  # the agent prints the one line
+        logger.info("rank %s: %s", gen.rank, e)
         try:
-            self.link.send({"op": "fatal", "kind": kind, "message": str(e),
-                            "rank": gen.get("rank"), "gen": gen.get("gen")})
+            self.link.send(channel.Fatal(kind=kind, message=str(e).replace("\n", " "),
+                                         rank=gen.rank, gen=gen.gen))
         except OSError:
             pass
         self.link.wait_exit(_FATAL_WAIT_S)

@@ -48,7 +48,6 @@ from tp_launch.resilient.rollback import Rollback
 from tp_launch.resilient.state import Cursor, State, digest_tree
 from tp_launch.resilient.wire import (
     DTYPES,
-    Leaf,
     WireError,
     fill,
     leaves,
