@@ -20,6 +20,7 @@ import click
 from tp_launch.config import (
     ConfigError,
     LaunchConfig,
+    check_seconds,
     parse_comma_list,
     parse_local_ranks_filter,
     parse_nnodes,
@@ -188,6 +189,10 @@ def config_from_options(opts: dict[str, Any]) -> LaunchConfig:
             raise ConfigError(
                 f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={env_timeout!r} is not a number of seconds"
             ) from None
+        check_seconds(shutdown_timeout, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+    # click's FloatRange lets nan and inf through (nan compares false with the bounds).
+    check_seconds(opts["monitor_interval"], "--monitor-interval")
+    check_seconds(opts["spare_wait_timeout"], "--spare-wait-timeout")
 
     return LaunchConfig(
         min_nodes=min_nodes,

@@ -6,14 +6,19 @@ import os
 from string import Template
 
 from rendezvous.api import RendezvousInfo
+from rendezvous.etcd import PASSWORD_ENV
 from tp_launch.config import ConfigError, LaunchConfig
+
+# The agent's own secrets: a worker runs the user's script and needs none of them.
+_AGENT_ONLY = (PASSWORD_ENV,)
 
 
 def worker_env(config: LaunchConfig, info: RendezvousInfo, local_rank: int,
                restart_count: int, error_file: str) -> dict[str, str]:
-    """The full environment of one worker: the agent's, plus torchrun's variables."""
+    """The full environment of one worker: the agent's (less the etcd password), plus
+    torchrun's variables."""
     rank = info.rank_offset + local_rank
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k not in _AGENT_ONLY}
     env.update({
         "RANK": str(rank),
         "GROUP_RANK": str(info.node_rank),
