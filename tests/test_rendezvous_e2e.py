@@ -140,8 +140,9 @@ def test_worker_failure_on_one_node_restarts_every_node(workdir, test_env, etcd_
                                                         c10d_endpoint, backend):
     """Global rank 1 (on one node) exits 3 in attempt 0: both agents restart their
     workers (counted, --max-restarts 1) and the job then succeeds on both."""
-    job = Agents(workdir, test_env, backend, endpoint_for(backend, etcd_server, c10d_endpoint),
-                 "2")
+    # LOGLEVEL=INFO: restarts are logged at INFO, as torchrun's.
+    job = Agents(workdir, {**test_env, "LOGLEVEL": "INFO"}, backend,
+                 endpoint_for(backend, etcd_server, c10d_endpoint), "2")
     for node in range(2):
         job.start(node, "--max-restarts", "1", script=("--fail-rank", "1", "--fail-until", "1"))
     results = job.finish()

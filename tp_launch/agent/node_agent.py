@@ -316,6 +316,8 @@ class NodeAgent:
         """Another node failed, left, or waits: stop ours; the caller re-rendezvouses."""
         cfg = self.config
         change = self.rdzv.world_change()  # type: ignore[attr-defined]
+        # WARNING: torchrun's user learns of it from a local worker's failure (ERROR);
+        # here the local workers are stopped first and would fail silently.
         logger.warning("[%s] %s: stopping the worker group", cfg.role, change.detail)
         stop_workers(self.workers, signal.SIGTERM, cfg.shutdown_timeout)
         failures = [
