@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -82,6 +83,8 @@ def recoveries(log_dir: Path) -> list[dict]:
 def check_completed(proc: subprocess.CompletedProcess, out: Path, reference: str,
                     killed_ranks: set[int]) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
+    # The parked spares leave quietly: torchrun's "closing signal" WARNING is for failures.
+    assert not re.search(r"^W.*closing signal", proc.stderr, re.M), proc.stderr[-4000:]
     results = finals(out)
     assert {r["checksum"] for r in results} == {reference}
     assert all(r["step"] == STEPS for r in results)
@@ -197,13 +200,16 @@ def background(workdir: Path, env: dict[str, str], args: list[str]) -> Iterator[
 
 
 def test_kill_parked_spare_is_replaced(workdir, test_env, reference):
+    """(The ranks hold at step 2 until the new spare has parked: spares start only once
+    the ranks reached tp_launch.resilient.run(), so a short job could end first.)"""
     with background(workdir, test_env, ["--nproc-per-node", "4", "--spares", "1", SCRIPT,
-                                        "--steps", str(STEPS), "--step-sleep", "0.4"]) as (proc, out, _):
+                                        "--steps", str(STEPS), "--hold-at", "2"]) as (proc, out, _):
         _wait(lambda: _parked(proc) >= 1, "a spare parks")
         (spare,) = _spares(test_env["TP_TEST_MARKER"])
         spare.kill()
         _wait(lambda: any(p.pid != spare.pid for p in _spares(test_env["TP_TEST_MARKER"]))
               and _parked(proc) >= 1, "a new spare parks")
+        (out / "release").touch()
         stdout, stderr = proc.communicate(timeout=HANG_TIMEOUT)
     assert proc.returncode == 0, stderr[-3000:]
     assert "tp-run: failure:" not in stderr  # no rank was touched
@@ -211,13 +217,16 @@ def test_kill_parked_spare_is_replaced(workdir, test_env, reference):
 
 
 def test_planned_migration_recomputes_no_step(workdir, test_env, reference):
+    # The ranks hold at step 2 until the migration is asked for (the spare parks only
+    # after the ranks reached tp_launch.resilient.run(): a short job could end first).
     with background(workdir, test_env, ["--nproc-per-node", "4", "--spares", "1", SCRIPT,
-                                        "--steps", str(STEPS), "--step-sleep", "0.2"]) as (proc, out, env):
-        _wait(lambda: _parked(proc) >= 1 and len(entries(out)) == 4, "ranks train, a spare parks")
+                                        "--steps", str(STEPS), "--hold-at", "2"]) as (proc, out, env):
+        _wait(lambda: _parked(proc) >= 1 and all_held(out), "ranks train, a spare parks")
         old_pid = next(pid for pid, e in entries(out).items() if e[0][0] == 1)
         cmd = run_launcher(TP_RUN, ["migrate", "--rank", "1", "--agent-pid", str(proc.pid)],
                            env, workdir)
         assert cmd.returncode == 0 and "ok: rank 1" in cmd.stdout, cmd.stdout + cmd.stderr
+        (out / "release").touch()
         stdout, stderr = proc.communicate(timeout=HANG_TIMEOUT)
     assert proc.returncode == 0, stderr[-3000:]
     results = finals(out)

@@ -6,12 +6,14 @@
 WHERE is ``forward`` (a forward pre-hook), ``allreduce`` (inside DDP's gradient
 all-reduce: the communication hook), or ``after-step`` (right after optimizer.step()).
 Each kill happens once per job (a marker file in $OUT), by SIGKILL to the process
-itself. ``--crash-step S``: every rank raises at step S, every time (a script bug).
-``--hold-at S``: after step S each rank (once) waits for ``$OUT/release``, so a test can
-act while the job is mid-run. ``--rank-at-import``: read RANK at import, as many scripts
-do (a spare, which has no RANK, fails there). ``--spare-dies-parked``: a spare SIGKILLs
-itself as soon as the agent counts a parked spare (it parks, then dies, every time). ``--sabotage``: a registered object that SIGKILLs its process while the state is moved
-(``donor``: when a donor snapshots it; ``newcomer``: when a newcomer loads it), once.
+itself. ``--crash-step S``: every rank raises at step S, every time (a script bug), once
+``--parked`` spares are parked. ``--hold-at S``: after step S each rank (once) waits for
+``$OUT/release``, so a test can act while the job is mid-run. ``--sabotage``: a
+registered object that SIGKILLs its process while the state is moved (``donor``: when a
+donor snapshots it; ``newcomer``: when a newcomer loads it), once.
+``--rank-at-import``: read RANK at import, as many scripts do (a spare, which has no
+RANK, fails there). ``--spare-dies-parked``: a spare SIGKILLs itself as soon as the agent
+counts a parked spare (it parks, then dies, every time).
 
 Outputs in $OUT: ``entry_<pid>`` lines "rank step world" at each (re)entry of train,
 ``final_<rank>.json`` {pid, step, checksum} at the end. With ``--no-resilient`` the
@@ -174,6 +176,7 @@ def train(state) -> str:
     for step in range(state.step, args.steps):
         current[0] = step
         if step == args.crash_step:
+            wait_parked(args.parked)  # a bug, not a lack of spares, must stop the job
             raise ValueError(f"deliberate bug at step {step}")
         x, y = batch(step, rank)
         loss = nn.functional.mse_loss(ddp(x), y)
