@@ -57,7 +57,7 @@ from tp_launch import channel
 from tp_launch.agent.control import CrashLoop, Generation, SpareRestarts, World, place
 from tp_launch.agent.generations import LocalGenerations, SharedGenerations, View
 from tp_launch.agent.failures import ProcessFailure, copy_root_cause, format_summary
-from tp_launch.agent.node_agent import AttemptResult, NodeAgent, SignalWatch
+from tp_launch.agent.node_agent import AttemptResult, NodeAgent, SignalReceived, SignalWatch
 from tp_launch.agent.worker_env import spare_env, worker_argv, worker_env
 from tp_launch.config import ConfigError
 from tp_launch.procs.logs import AttemptLogs, ConsoleTail, RankLogs, SpareOutput
@@ -203,6 +203,10 @@ class ResilientAgent(NodeAgent):
         except StopJob as e:
             self._no_restart = self._no_restart or e.final
             return e.result
+        except SignalReceived as e:  # forwarded to every process, as in compatible mode
+            logger.warning("Received %s death signal, shutting down workers", e.sig.name)
+            stop_workers(self.workers, e.sig, cfg.shutdown_timeout)
+            raise
         finally:
             if self._ended:
                 self._let_spares_leave()

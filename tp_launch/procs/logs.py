@@ -96,10 +96,9 @@ class LogLayout:
         self._config = config
         self._run_id = run_id
         self._plugin = _load_logs_specs(config) if config.logs_specs else None
-        self.disabled = config.log_dir == os.devnull
-        self.run_dir = os.devnull
+        self.run_dir = os.devnull  # no run directory: no files (see _console_attempt)
         self._temp_base: str | None = None  # made here: removed by close()
-        if self.disabled or self._plugin is not None:
+        if config.log_dir == os.devnull or self._plugin is not None:
             return
         base = config.log_dir
         try:
