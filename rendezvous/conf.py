@@ -5,7 +5,10 @@ Known keys (seconds unless noted): ``join_timeout`` (etcd's old ``timeout`` too)
 ``keep_alive_max_attempt`` (a count), ``heartbeat_timeout``, ``read_timeout``,
 ``lease_ttl`` (etcd lease / c10d heartbeat TTL; default ``heartbeat_timeout``),
 ``exit_barrier_timeout``; the backends' own keys are read by :mod:`rendezvous.etcd` and
-:mod:`rendezvous.c10d`. Unknown keys are ignored, as torchrun ignores them.
+:mod:`rendezvous.c10d`. Durations are finite numbers (``nan`` would wait forever).
+Unknown keys are ignored, as torchrun ignores them, unless they look like a misspelled
+known key (``ca-cert``, ``join_timout``): that is an error, since the setting the user
+meant would silently not apply.
 """
 
 from __future__ import annotations
@@ -56,16 +59,33 @@ def timeouts_from_conf(conf: dict[str, str]) -> Timeouts:
     return t
 
 
+def _check_spelling(conf: dict[str, str]) -> None:
+    """An unknown key that looks like a known one is a typo, not a key for some other
+    backend: ``ca-cert=`` silently ignored would mean no TLS at all."""
+    import difflib
+
+    from tp_launch.config import ConfigError
+
+    known = sorted({*_DURATIONS, *_ALIASES, *BACKEND_KEYS, "keep_alive_max_attempt",
+                    "password"})
+    for key in conf:
+        if key in known:
+            continue
+        near = difflib.get_close_matches(key.lower().replace("-", "_"), known, n=1,
+                                         cutoff=0.8)
+        if near:
+            raise ConfigError(f"--rdzv-conf: unknown key {key!r}; did you mean {near[0]!r}?")
+
+
 def validate(backend: str, endpoint: str, conf: dict[str, str]) -> None:
     """Check a multi-node etcd/c10d setup before anything starts (ConfigError if bad).
 
     What needs the service itself (reachability, TLS handshake, password) is checked
     when the agent connects, within the configured timeout.
     """
-    import os
-
     from tp_launch.config import ConfigError, split_endpoint
 
+    _check_spelling(conf)
     timeouts_from_conf(conf)
     if backend not in ("etcd", "etcd-v2", "etcd-v3", "c10d"):
         return
@@ -81,23 +101,10 @@ def validate(backend: str, endpoint: str, conf: dict[str, str]) -> None:
         except KVError as e:
             raise ConfigError(str(e)) from None
         return
-    from rendezvous.etcd import PASSWORD_ENV
+    from rendezvous.etcd import etcd_settings
+    from rendezvous.kv import KVError
 
-    if "password" in conf:
-        raise ConfigError(f"--rdzv-conf password=... would show in the process list; "
-                          f"set {PASSWORD_ENV} instead")
-    protocol = conf.get("protocol", "http").lower()
-    if "://" in endpoint:
-        protocol = endpoint.split("://", 1)[0].lower()
-    if protocol not in ("http", "https"):
-        raise ConfigError(f"--rdzv-conf protocol={protocol!r} must be http or https")
-    ca = conf.get("cacert") or conf.get("ca_cert")
-    cert = conf.get("cert") or conf.get("ssl_cert")
-    key = conf.get("key") or conf.get("ssl_cert_key")
-    if protocol == "https" and not ca:
-        raise ConfigError("--rdzv-conf protocol=https needs cacert=<CA file> (etcd's CA)")
-    if bool(cert) != bool(key):
-        raise ConfigError("--rdzv-conf: a client certificate needs both cert= and key=")
-    for path in filter(None, (ca, cert, key)):
-        if not os.path.isfile(path):
-            raise ConfigError(f"--rdzv-conf: TLS file not found: {path}")
+    try:
+        etcd_settings(endpoint, conf)
+    except KVError as e:
+        raise ConfigError(str(e)) from None

@@ -8,7 +8,8 @@ with ``etcd-v2`` therefore keeps working against a current etcd.
 Settings (``--rdzv-conf``): ``protocol`` (http/https), ``cacert``/``ca_cert``,
 ``cert``/``ssl_cert``, ``key``/``ssl_cert_key``, ``etcd_prefix`` (default ``/tp-run``),
 ``user`` (or ``TP_RUN_ETCD_USER``); the password only from ``TP_RUN_ETCD_PASSWORD``,
-never from the command line (it would show in ``ps``).
+never from the command line (it would show in ``ps``), only over TLS (never in clear
+text), and never passed on to the workers (:mod:`tp_launch.agent.worker_env`).
 
 Why a version is etcd's ``mod_revision``: every write bumps it, so a compare on it in a
 transaction is a compare-and-swap that no stale writer can pass.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from rendezvous.kv import KV, KVError
@@ -213,17 +215,39 @@ class EtcdKV(KV):
             pass
 
 
-def etcd_kv_from_conf(endpoint: str, conf: dict[str, str], connect_timeout: float,
-                      timeout: float) -> EtcdKV:
-    """An :class:`EtcdKV` for ``--rdzv-endpoint`` and torchrun's etcd ``--rdzv-conf`` keys."""
+@dataclass
+class EtcdSettings:
+    """Where and how to reach etcd: ``--rdzv-endpoint``, ``--rdzv-conf`` and the
+    environment, checked (:func:`etcd_settings`)."""
+
+    host: str
+    port: int
+    ca_cert: str | None
+    cert: str | None
+    key: str | None
+    user: str | None
+    password: str | None
+
+
+def etcd_settings(endpoint: str, conf: dict[str, str]) -> EtcdSettings:
+    """torchrun's etcd ``--rdzv-conf`` keys and ``TP_RUN_ETCD_*``, checked once.
+
+    Raises KVError (one line) for what cannot work or is not safe: no endpoint, a
+    protocol other than http/https, https without a CA, half a client certificate, a
+    TLS file that does not exist, a password on the command line, or a password that
+    would travel in clear text (plain http).
+    """
     from tp_launch.config import split_endpoint
 
     if not endpoint:
         raise KVError("--rdzv-backend etcd needs --rdzv-endpoint host:port (the etcd server)")
     if "://" in endpoint:  # accept http://host:port as torch's etcd backend does
         scheme, endpoint = endpoint.split("://", 1)
-        conf = {"protocol": scheme, **conf}
+        conf = {**conf, "protocol": scheme}
     host, port = split_endpoint(endpoint.rstrip("/"), 2379)
+    if "password" in conf:
+        raise KVError(f"--rdzv-conf password=... would show in the process list; "
+                      f"set {PASSWORD_ENV} instead")
     protocol = conf.get("protocol", "http").lower()
     if protocol not in ("http", "https"):
         raise KVError(f"--rdzv-conf protocol={protocol!r} must be http or https")
@@ -232,13 +256,26 @@ def etcd_kv_from_conf(endpoint: str, conf: dict[str, str], connect_timeout: floa
     key = conf.get("key") or conf.get("ssl_cert_key")
     if protocol == "https" and not ca_cert:
         raise KVError("--rdzv-conf protocol=https needs cacert=<CA file> (etcd's CA)")
+    if bool(cert) != bool(key):
+        raise KVError("--rdzv-conf: a client certificate needs both cert= and key=")
+    for path in filter(None, (ca_cert, cert, key)):
+        if not os.path.isfile(path):
+            raise KVError(f"--rdzv-conf: TLS file not found: {path}")
     if protocol == "http" and (cert or key or ca_cert):
         protocol = "https"  # certificates given: TLS was meant
     user = conf.get("user") or os.environ.get(USER_ENV) or None
     password = os.environ.get(PASSWORD_ENV) or None
-    if "password" in conf:
-        raise KVError(f"--rdzv-conf password=... would show in the process list; "
-                      f"set {PASSWORD_ENV} instead")
-    return EtcdKV(host, port, timeout=timeout, connect_timeout=connect_timeout,
-                  ca_cert=ca_cert if protocol == "https" else None, cert=cert, key=key,
-                  user=user, password=password)
+    if password and protocol == "http":
+        raise KVError(f"{PASSWORD_ENV} is set but etcd is reached over plain http: the "
+                      "password would travel in clear text (use protocol=https with "
+                      "cacert=<CA file>)")
+    return EtcdSettings(host, port, ca_cert if protocol == "https" else None, cert, key,
+                        user, password)
+
+
+def etcd_kv_from_conf(endpoint: str, conf: dict[str, str], connect_timeout: float,
+                      timeout: float) -> EtcdKV:
+    """An :class:`EtcdKV` for ``--rdzv-endpoint`` and torchrun's etcd ``--rdzv-conf`` keys."""
+    s = etcd_settings(endpoint, conf)
+    return EtcdKV(s.host, s.port, timeout=timeout, connect_timeout=connect_timeout,
+                  ca_cert=s.ca_cert, cert=s.cert, key=s.key, user=s.user, password=s.password)

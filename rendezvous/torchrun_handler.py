@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 from typing import Any, Callable
 
 from torch.distributed import PrefixStore, Store, TCPStore
@@ -116,7 +117,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     """torch's handler creator: ``--rdzv-endpoint``, ``--rdzv-id``, ``--nnodes``,
     ``--rdzv-conf`` as for ``tp-run --rdzv-backend etcd``."""
     from rendezvous.conf import timeouts_from_conf
-    from rendezvous.etcd import etcd_kv_from_conf
+    from rendezvous.etcd import PASSWORD_ENV, etcd_kv_from_conf
     from tp_launch.config import ConfigError
 
     conf = {k: str(v) for k, v in params.config.items() if v is not None}
@@ -126,6 +127,9 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
                                t.read_timeout)
     except (ConfigError, KVError) as e:
         raise RendezvousError(str(e)) from None
+    # torchrun's workers get a copy of this process's environment: they must not get the
+    # etcd password (the client already holds it).
+    os.environ.pop(PASSWORD_ENV, None)
     membership = Membership(kv, conf.get("etcd_prefix", "/tp-run"), params.run_id,
                             params.min_nodes, params.max_nodes,
                             local_address(params.local_addr), t,

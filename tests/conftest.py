@@ -99,6 +99,65 @@ def start_launcher(launcher: list[str], args: list[str], env: dict[str, str],
                             stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
 
 
+class Live:
+    """A launcher in the background whose output the test reads while it runs.
+
+    ``wait_for(pattern)`` blocks until a stderr line matches; ``finish()`` waits for the
+    exit and returns (status, stdout, stderr). Killed if the test leaves it running.
+    """
+
+    def __init__(self, launcher: list[str], args: list[str], env: dict[str, str],
+                 cwd: Path) -> None:
+        import threading
+
+        self.proc = start_launcher(launcher, args, env, cwd)
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self._threads = [threading.Thread(target=self._read, args=(stream, lines), daemon=True)
+                         for stream, lines in ((self.proc.stdout, self.out),
+                                               (self.proc.stderr, self.err))]
+        for t in self._threads:
+            t.start()
+
+    @staticmethod
+    def _read(stream, lines: list[str]) -> None:
+        for line in stream:
+            lines.append(line)
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.err)
+
+    def count(self, pattern: str) -> int:
+        import re
+
+        return sum(1 for line in list(self.err) if re.search(pattern, line))
+
+    def wait_for(self, pattern: str, times: int = 1, timeout: float = HANG_TIMEOUT) -> None:
+        deadline = time.monotonic() + timeout
+        while self.count(pattern) < times:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                for t in self._threads:
+                    t.join(5)
+                raise AssertionError(f"no {times} stderr line(s) match {pattern!r} "
+                                     f"(exit {self.proc.poll()}):\n{self.stderr[-4000:]}")
+            time.sleep(0.05)
+
+    def finish(self, timeout: float = HANG_TIMEOUT) -> tuple[int, str, str]:
+        try:
+            self.proc.wait(timeout)
+        finally:
+            self.kill()
+        for t in self._threads:
+            t.join(10)
+        return self.proc.returncode, "".join(self.out), self.stderr
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
 def wait_for_file(path: Path, timeout: float = HANG_TIMEOUT) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
@@ -119,6 +178,52 @@ def kill_tree(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
         os.kill(proc.pid, sig)
     except ProcessLookupError:
         pass
+
+
+# ---------------------------------------------------------------- a disk that fills up
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A filesystem of the test's own, small enough to fill: a 4 MiB tmpfs with 512
+    inodes, so that a full disk is a real ENOSPC from the kernel. Mounting needs root
+    (CAP_SYS_ADMIN): skipped otherwise."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    path = tmp_path / "disk"
+    path.mkdir()
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,nr_inodes=512", "tmpfs",
+                            str(path)], capture_output=True, text=True)
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mount.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def fill(disk: Path, keep_inodes: int = 0) -> None:
+    """Use up ``disk``: all its space, and all its inodes but ``keep_inodes``."""
+    filler = disk / "filler"
+    filler.mkdir(exist_ok=True)
+    fd = os.open(filler / "blocks", os.O_WRONLY | os.O_CREAT)
+    try:
+        while os.write(fd, b"\0" * 4096):
+            pass
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    made = []
+    try:
+        while True:
+            path = filler / str(len(made))
+            path.touch()
+            made.append(path)
+    except OSError:
+        pass
+    for path in made[len(made) - keep_inodes:] if keep_inodes else []:
+        path.unlink()
 
 
 # ---------------------------------------------------------------- etcd (rendezvous tests)

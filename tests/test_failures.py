@@ -12,6 +12,8 @@ import json
 import re
 import signal
 import subprocess
+import time
+import uuid
 from pathlib import Path
 
 import psutil
@@ -20,6 +22,8 @@ import pytest
 from tests.conftest import (
     HANG_TIMEOUT,
     TP_RUN,
+    Live,
+    fill,
     run_launcher,
     start_launcher,
     wait_for_file,
@@ -112,7 +116,8 @@ def test_restarts_used_then_success(workdir, test_env):
     logs = workdir / "logs"
     r = tp_run(workdir, test_env, ["--nproc-per-node", "2", "--max-restarts", "3",
                                    "--log-dir", str(logs), "scripts/worker.py",
-                                   "--fail-rank", "1", "--fail-until", "2"])
+                                   "--fail-rank", "1", "--fail-until", "2"],
+               LOGLEVEL="INFO")  # restarts are logged at INFO, as torchrun's
     assert r.returncode == 0, r.stderr
     assert SUMMARY_TITLE not in r.stderr
     assert dumped(workdir) == ["sig_0_0", "sig_1_0", "start_0_0", "start_0_1", "start_1_0",
@@ -181,8 +186,8 @@ def test_shutdown_timeout_on_failure_path(workdir, test_env, how):
     assert root_rank(root) == 1
     assert "exitcode  : -9 " in others and "(SIGKILL)" in others
     assert "sig_0_0" not in dumped(workdir)  # it ignored SIGTERM
-    # From the agent's own log lines: failure seen -> SIGKILL sent.
-    failed = log_time(r.stderr, r"failed \(exitcode: 3\) local_rank: 1")
+    # From the agent's own log lines: failure seen (the peer is sent SIGTERM) -> SIGKILL.
+    failed = log_time(r.stderr, r"closing signal SIGTERM")
     killed = log_time(r.stderr, r"did not stop within 1(\.0)?s; sending SIGKILL")
     assert 0.5 < killed - failed < 20
 
@@ -220,6 +225,150 @@ def test_signal_to_tp_run_is_forwarded(workdir, test_env, sig):
     assert wait_no_marked(test_env["TP_TEST_MARKER"]) == []
 
 
+def not_log_lines(stderr: str) -> list[str]:
+    """stderr without the agent's own log lines (torchrun's ``I1203 12:00:00.000000 ...]``)."""
+    return [line for line in stderr.splitlines()
+            if line.strip() and not re.match(r"^[IWE]\d{4} \d\d:\d\d:\d\d\.\d+ \d+ ", line)]
+
+
+@pytest.mark.parametrize("backend,sig", [("etcd", signal.SIGTERM), ("c10d", signal.SIGINT)])
+def test_signal_during_rendezvous_is_honoured(workdir, test_env, etcd_server, backend, sig):
+    """--nnodes 2 and only one agent: it waits for the other node (join_timeout=600). A
+    signal ends it at once (torchrun: at once too), not after join_timeout: exit 1, one
+    line, no traceback, no worker started. The 60 s limit only guards against the hang."""
+    from tests.etcd_server import free_port
+
+    endpoint = etcd_server.endpoint if backend == "etcd" else f"127.0.0.1:{free_port()}"
+    job = Live(TP_RUN, ["--nnodes", "2", "--rdzv-backend", backend, "--rdzv-endpoint",
+                        endpoint, "--rdzv-id", f"sig-{uuid.uuid4().hex[:8]}", "--rdzv-conf",
+                        "join_timeout=600", "scripts/worker.py"],
+               {**test_env, "LOGLEVEL": "INFO", "DUMP_DIR": str(workdir)}, workdir)
+    try:
+        job.wait_for("opened rendezvous round")
+        job.proc.send_signal(sig)
+        rc, _, err = job.finish(timeout=60)
+    finally:
+        job.kill()
+    assert rc == 1
+    assert not_log_lines(err) == [f"tp-run: stopped by {sig.name}; workers shut down"], err
+    assert not list(workdir.glob("start_*"))
+
+
+def test_signal_while_connecting_is_honoured(workdir, test_env):
+    """Nothing listens at the etcd endpoint and reaching it may take read_timeout=600: a
+    signal while tp-run keeps trying ends it at once, in one line."""
+    from tests.etcd_server import free_port
+
+    job = Live(TP_RUN, ["--nnodes", "2", "--rdzv-backend", "etcd", "--rdzv-endpoint",
+                        f"127.0.0.1:{free_port()}", "--rdzv-conf",
+                        "join_timeout=600,read_timeout=600", "scripts/worker.py"],
+               test_env, workdir)
+    try:
+        agent = psutil.Process(job.proc.pid)
+        deadline = time.monotonic() + HANG_TIMEOUT
+        while agent.num_threads() < 2:  # gRPC's threads: the agent is connecting
+            assert time.monotonic() < deadline and job.proc.poll() is None, job.stderr
+            time.sleep(0.05)
+        job.proc.send_signal(signal.SIGTERM)
+        rc, _, err = job.finish(timeout=60)
+    finally:
+        job.kill()
+    assert rc == 1
+    assert not_log_lines(err) == ["tp-run: stopped by SIGTERM"], err
+
+
+def test_signal_in_the_exit_barrier_is_honoured(workdir, test_env, etcd_server):
+    """One agent's worker is done and it waits in the exit barrier for the other node,
+    whose worker runs on (exit_barrier_timeout=600): a signal ends the waiting one at
+    once."""
+    run_id = f"bar-{uuid.uuid4().hex[:8]}"
+    dump = workdir / "dump"
+    dump.mkdir()
+    env = {**test_env, "LOGLEVEL": "INFO", "DUMP_DIR": str(dump), "OMP_NUM_THREADS": "1"}
+    conf = "join_timeout=60,last_call_timeout=1,keep_alive_interval=0.5,lease_ttl=3," \
+           "exit_barrier_timeout=600"
+    jobs = [Live(TP_RUN, ["--nnodes", "2", "--rdzv-backend", "etcd", "--rdzv-endpoint",
+                          etcd_server.endpoint, "--rdzv-id", run_id, "--rdzv-conf", conf,
+                          "--local-addr", f"127.0.0.{node + 2}", "scripts/worker.py",
+                          *(["--fail-rank", "9"] if node else [])], env, workdir)  # 9: sleeps
+            for node in range(2)]
+    try:
+        jobs[0].wait_for("Waiting for other agents to finish")
+        jobs[0].proc.send_signal(signal.SIGTERM)
+        rc, _, err = jobs[0].finish(timeout=60)
+    finally:
+        for job in jobs:
+            job.kill()
+    assert rc == 1, err
+    assert not_log_lines(err) == ["tp-run: stopped by SIGTERM; workers shut down"], err
+
+
+# ---------------------------------------------------------------- temp dirs and log disks
+
+
+@pytest.mark.parametrize("outcome", ["success", "failure", "signal"])
+def test_no_temp_directory_left_behind(workdir, test_env, tmp_path, outcome):
+    """Without --log-dir, tp-run's temporary log dir (and nothing else it made) is gone
+    after it exits, whatever the outcome."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    args = {"success": [], "failure": ["--fail-rank", "1"], "signal": ["--fail-rank", "99"]}
+    dump = workdir / "dump"
+    dump.mkdir()
+    env = {**test_env, "TMPDIR": str(tmp), "DUMP_DIR": str(dump), "OMP_NUM_THREADS": "1"}
+    job = Live(TP_RUN, ["--nproc-per-node", "2", "scripts/worker.py", *args[outcome]], env,
+               workdir)
+    try:
+        wait_for_file(dump / "start_0_1")
+        assert [p.name for p in tmp.iterdir()][0].startswith("torchelastic_")
+        if outcome == "signal":
+            job.proc.send_signal(signal.SIGTERM)
+        rc, _, err = job.finish()
+    finally:
+        job.kill()
+    assert rc == {"success": 0, "failure": 1, "signal": 1}[outcome], err
+    assert list(tmp.iterdir()) == []
+
+
+def test_redirected_output_in_the_temp_dir_is_kept(workdir, test_env, tmp_path):
+    """-r 3 without --log-dir: the workers' output lives only in the temporary log dir,
+    so it stays (as torchrun's does)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    r = tp_run(workdir, test_env, ["--nproc-per-node", "2", "-r", "3", "scripts/worker.py"],
+               TMPDIR=str(tmp))
+    assert r.returncode == 0, r.stderr
+    (base,) = tmp.iterdir()
+    assert [p.read_text() for p in sorted(base.glob("*/attempt_0/*/stdout.log"))] == [
+        "rank 0 started (restart 0)\n", "rank 1 started (restart 0)\n"]
+
+
+def test_full_log_disk_on_restart_degrades_logging(workdir, test_env, small_disk):
+    """The log disk has room for attempt 0's directories only (its inodes are used up):
+    attempt 1, after a failure, cannot make its directory. One warning; attempt 1's
+    workers write to the console instead, and the job succeeds."""
+    fill(small_disk, keep_inodes=4)  # the run dir, attempt_0, attempt_0/0, attempt_0/1
+    r = tp_run(workdir, test_env, ["--nproc-per-node", "2", "--max-restarts", "1",
+                                   "--log-dir", str(small_disk), "scripts/worker.py",
+                                   "--fail-rank", "1", "--fail-until", "1"])
+    assert r.returncode == 0, r.stderr
+    assert "start_1_1" in dumped(workdir)
+    (run_dir,) = [p for p in small_disk.iterdir() if p.name != "filler"]
+    assert [p.name for p in run_dir.iterdir()] == ["attempt_0"]
+    warnings = [line for line in r.stderr.splitlines() if "cannot write" in line]
+    assert len(warnings) == 1 and "No space left on device" in warnings[0], r.stderr
+    assert "Traceback" not in r.stderr
+    assert "rank 1 started (restart 1)" in r.stdout  # the console took the attempt's output
+
+
+def test_unwritable_log_dir_is_one_line_error(workdir, test_env, small_disk):
+    """A --log-dir on a read-only filesystem (EROFS: even root cannot write there)."""
+    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    r = tp_run(workdir, test_env, ["--log-dir", str(small_disk / "logs"), "scripts/worker.py"])
+    assert r.returncode == 2
+    assert_one_error_line(r, workdir, "Read-only file system")
+
+
 def test_sigkill_to_tp_run_leaves_no_worker(workdir, test_env):
     """SIGKILL to tp-run: its workers die with it (PR_SET_PDEATHSIG), even those that
     ignore SIGTERM, and so do the helper processes the workers started (the guardian)."""
@@ -245,6 +394,8 @@ def test_sigkill_to_tp_run_leaves_no_worker(workdir, test_env):
 
 
 # ---------------------------------------------------------------- bad input
+
+ETCD_2 = ["--rdzv-backend", "etcd", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:9"]
 
 BAD_INPUT = [
     ("missing-script", ["scripts/no_such_script.py"], "no_such_script.py"),
@@ -275,6 +426,31 @@ BAD_INPUT = [
     ("etcd-multi-node", ["--rdzv-backend", "etcd", "--nnodes", "2",
                          "--rdzv-endpoint", "127.0.0.1:9", "--rdzv-conf", "join_timeout=5",
                          "scripts/worker.py"], "etcd"),
+    # Durations that are not finite would wait forever (nan) or never time out (inf).
+    ("monitor-interval-nan", ["--monitor-interval", "nan", "scripts/worker.py"],
+     "--monitor-interval"),
+    ("spare-wait-timeout-inf", ["--spare-wait-timeout", "inf", "scripts/worker.py"],
+     "--spare-wait-timeout"),
+    ("join-timeout-nan", [*ETCD_2, "--rdzv-conf", "join_timeout=nan", "scripts/worker.py"],
+     "join_timeout='nan' is not a finite"),
+    ("lease-ttl-inf", [*ETCD_2, "--rdzv-conf", "lease_ttl=inf", "scripts/worker.py"],
+     "lease_ttl='inf' is not a finite"),
+    # A misspelled security setting would silently mean no TLS.
+    ("misspelled-tls-key", [*ETCD_2, "--rdzv-conf", "protocol=https,ca-cert=ca.pem",
+                            "scripts/worker.py"], "did you mean 'ca_cert'"),
+    ("misspelled-timeout", [*ETCD_2, "--rdzv-conf", "join_timout=5", "scripts/worker.py"],
+     "did you mean 'join_timeout'"),
+    ("log-dir-is-a-file", ["--log-dir", "scripts/worker.py", "scripts/worker.py"],
+     "is a file"),
+    ("log-dir-unwritable", ["--log-dir", "scripts/worker.py/logs", "scripts/worker.py"],
+     "cannot write there"),
+]
+# (id, environment, args, what the line names)
+BAD_ENVIRONMENT = [
+    ("shutdown-timeout-nan", {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "nan"}, ["scripts/worker.py"],
+     "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"),
+    ("password-over-plain-http", {"TP_RUN_ETCD_PASSWORD": "s3cret"},
+     [*ETCD_2, "--rdzv-conf", "user=root", "scripts/worker.py"], "clear text"),
 ]
 
 
@@ -283,6 +459,19 @@ def test_bad_input_one_line_error(workdir, test_env, case, args, mentions):
     """Each bad command line: one ``tp-run: error:`` line naming the problem, non-zero
     exit, no traceback, no worker started, no hang."""
     r = tp_run(workdir, test_env, args, timeout=120, CUDA_VISIBLE_DEVICES="0")
+    assert_one_error_line(r, workdir, mentions)
+
+
+@pytest.mark.parametrize("case,extra_env,args,mentions", BAD_ENVIRONMENT,
+                         ids=[c[0] for c in BAD_ENVIRONMENT])
+def test_bad_environment_one_line_error(workdir, test_env, case, extra_env, args, mentions):
+    """The same for settings that come from the environment: exit 2 before anything."""
+    r = tp_run(workdir, test_env, args, timeout=120, **extra_env)
+    assert r.returncode == 2
+    assert_one_error_line(r, workdir, mentions)
+
+
+def assert_one_error_line(r: subprocess.CompletedProcess, workdir: Path, mentions: str) -> None:
     assert r.returncode != 0
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("tp-run: error: "), r.stderr

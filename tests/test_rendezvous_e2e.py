@@ -140,8 +140,9 @@ def test_worker_failure_on_one_node_restarts_every_node(workdir, test_env, etcd_
                                                         c10d_endpoint, backend):
     """Global rank 1 (on one node) exits 3 in attempt 0: both agents restart their
     workers (counted, --max-restarts 1) and the job then succeeds on both."""
-    job = Agents(workdir, test_env, backend, endpoint_for(backend, etcd_server, c10d_endpoint),
-                 "2")
+    # LOGLEVEL=INFO: restarts are logged at INFO, as torchrun's.
+    job = Agents(workdir, {**test_env, "LOGLEVEL": "INFO"}, backend,
+                 endpoint_for(backend, etcd_server, c10d_endpoint), "2")
     for node in range(2):
         job.start(node, "--max-restarts", "1", script=("--fail-rank", "1", "--fail-until", "1"))
     results = job.finish()
@@ -168,7 +169,8 @@ def test_late_node_is_admitted_by_a_restart(workdir, test_env, etcd_server):
     """--nnodes 1:2: the first agent forms a world of 1 after last_call_timeout; its
     worker waits for a bigger world. A second agent arrives and waits; the first
     restarts to admit it (not counted: --max-restarts 0) and both finish in a world of 2."""
-    job = Agents(workdir, test_env, "etcd", etcd_server.endpoint, "1:2")
+    # LOGLEVEL=INFO: the restart that admits a node is logged at INFO, as torchrun's.
+    job = Agents(workdir, {**test_env, "LOGLEVEL": "INFO"}, "etcd", etcd_server.endpoint, "1:2")
     try:
         job.start(0, script=("--min-world", "2"))
         wait_for_file(job.dump / "waiting_0_0")  # a world of 1 formed and runs
@@ -242,6 +244,8 @@ def test_nodes_that_never_arrive_is_one_line_error(workdir, test_env, etcd_serve
     ("keep_alive_interval=5,lease_ttl=2", "lease TTL"),
     ("protocol=ftp", "protocol"),
     ("password=secret", "TP_RUN_ETCD_PASSWORD"),
+    ("protocol=https,ca-cert=/etc/ca.pem", "did you mean 'ca_cert'"),
+    ("join_timeout=nan", "not a finite number"),
 ])
 def test_bad_rdzv_conf_is_one_line_error(workdir, test_env, etcd_server, conf, mentions):
     """A bad etcd setting: one ``tp-run: error:`` line naming it, exit 2, nothing started."""

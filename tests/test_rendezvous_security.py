@@ -1,9 +1,9 @@
 """etcd with TLS (certificates generated here) and with user/password authentication.
 
 Real etcd servers, started per module with their own data directory and ports: one
-with TLS and client-certificate authentication, one with authentication enabled
+with TLS and client-certificate authentication, one with TLS and authentication enabled
 (user root, role root, via etcdctl). The password reaches tp-run only through
-``TP_RUN_ETCD_PASSWORD``.
+``TP_RUN_ETCD_PASSWORD``, travels only over TLS, and never reaches the workers.
 """
 
 from __future__ import annotations
@@ -33,9 +33,19 @@ def tls_etcd(tmp_path_factory) -> Iterator[tuple[EtcdServer, dict[str, str]]]:
 
 
 @pytest.fixture(scope="module")
-def auth_etcd(tmp_path_factory) -> Iterator[EtcdServer]:
-    with EtcdServer(tmp_path_factory.mktemp("etcd-auth"), root_password=PASSWORD) as server:
-        yield server
+def auth_etcd(tmp_path_factory) -> Iterator[tuple[EtcdServer, dict[str, str]]]:
+    """Password authentication, over TLS (tp-run refuses to send a password in clear
+    text; this etcd, given a CA, also asks for client certificates)."""
+    tmp = tmp_path_factory.mktemp("etcd-auth")
+    certs = make_tls(tmp / "certs")
+    with EtcdServer(tmp, tls=(certs["ca"], certs["server_cert"], certs["server_key"]),
+                    client_cert_auth=True, root_password=PASSWORD) as server:
+        yield server, certs
+
+
+def _auth_conf(certs: dict[str, str]) -> str:
+    return (f"protocol=https,cacert={certs['ca']},cert={certs['client_cert']},"
+            f"key={certs['client_key']},keep_alive_interval=0.5,lease_ttl=3")
 
 
 def _form_world(make_kv) -> None:
@@ -102,26 +112,47 @@ def test_tp_run_with_the_wrong_ca_is_one_line_error(workdir, test_env, tls_etcd)
 
 
 def test_password_login_forms_a_world(auth_etcd):
-    _form_world(lambda: EtcdKV("127.0.0.1", auth_etcd.port, user="root", password=PASSWORD,
-                               connect_timeout=10))
+    server, certs = auth_etcd
+    _form_world(lambda: EtcdKV("127.0.0.1", server.port, user="root", password=PASSWORD,
+                               ca_cert=certs["ca"], cert=certs["client_cert"],
+                               key=certs["client_key"], connect_timeout=10))
 
 
-@pytest.mark.parametrize("password,mentions", [
-    ("wrong", "authentication failed"),
-    (None, "requires a login"),
-])
-def test_bad_or_missing_password_is_one_line_error(workdir, test_env, auth_etcd, password,
-                                                   mentions):
-    """tp-run reads the password from TP_RUN_ETCD_PASSWORD (a wrong one reaches etcd and
-    is refused); without one, the first write says that etcd requires a login."""
-    env = dict(test_env)
-    env.pop(PASSWORD_ENV, None)
-    conf = "join_timeout=5,keep_alive_interval=0.5,lease_ttl=3"
-    if password is not None:
-        env[PASSWORD_ENV] = password
-        conf = "user=root," + conf
-    job = Agents(workdir, env, "etcd", auth_etcd.endpoint, "2")
-    job.start(0, conf=conf)
+def test_wrong_password_is_one_line_error(workdir, test_env, auth_etcd):
+    """tp-run reads the password from TP_RUN_ETCD_PASSWORD; a wrong one reaches etcd
+    (over TLS) and is refused, in one line."""
+    server, certs = auth_etcd
+    env = {**test_env, PASSWORD_ENV: "wrong"}
+    job = Agents(workdir, env, "etcd", server.endpoint, "2")
+    job.start(0, conf="user=root," + _auth_conf(certs) + ",join_timeout=5")
     (rc, err), = job.finish(timeout=120)
     assert rc == 1
-    assert mentions in one_error_line(err)
+    assert "authentication failed" in one_error_line(err)
+
+
+def test_missing_login_is_one_line_error(workdir, test_env, tmp_path):
+    """An etcd with authentication on, reached over plain http without a login (no
+    password sent, so plain http is allowed): the first write says a login is needed."""
+    env = dict(test_env)
+    env.pop(PASSWORD_ENV, None)
+    with EtcdServer(tmp_path, root_password=PASSWORD) as server:
+        job = Agents(workdir, env, "etcd", server.endpoint, "2")
+        job.start(0, conf="join_timeout=5,keep_alive_interval=0.5,lease_ttl=3")
+        (rc, err), = job.finish(timeout=120)
+    assert rc == 1
+    assert "requires a login" in one_error_line(err)
+
+
+def test_password_never_reaches_the_workers(workdir, test_env, auth_etcd):
+    """A job that logs in with TP_RUN_ETCD_PASSWORD: its workers' environment has
+    everything else of the agent's (TP_RUN_ETCD_USER, say), not the password."""
+    server, certs = auth_etcd
+    env = {**test_env, PASSWORD_ENV: PASSWORD, "TP_RUN_ETCD_USER": "root"}
+    job = Agents(workdir, env, "etcd", server.endpoint, "1:2")
+    job.start(0, conf=_auth_conf(certs) + ",join_timeout=30,last_call_timeout=1")
+    (rc, err), = job.finish()
+    assert rc == 0, err
+    (dumped,) = job.oks().values()
+    assert dumped["TP_RUN_ETCD_USER"] == "root"
+    assert PASSWORD_ENV not in dumped
+    assert PASSWORD not in dumped.values()

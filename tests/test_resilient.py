@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -24,6 +25,8 @@ from tests.conftest import (
     HANG_TIMEOUT,
     TORCHRUN,
     TP_RUN,
+    Live,
+    fill,
     marked_processes,
     run_launcher,
     start_launcher,
@@ -81,6 +84,8 @@ def recoveries(log_dir: Path) -> list[dict]:
 def check_completed(proc: subprocess.CompletedProcess, out: Path, reference: str,
                     killed_ranks: set[int]) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
+    # The parked spares leave quietly: torchrun's "closing signal" WARNING is for failures.
+    assert not re.search(r"^W.*closing signal", proc.stderr, re.M), proc.stderr[-4000:]
     results = finals(out)
     assert {r["checksum"] for r in results} == {reference}
     assert all(r["step"] == STEPS for r in results)
@@ -195,10 +200,10 @@ def background(workdir: Path, env: dict[str, str], args: list[str]) -> Iterator[
 
 
 def test_kill_parked_spare_is_replaced(workdir, test_env, reference):
+    """(The ranks hold at step 2 until the new spare has parked: spares start only once
+    the ranks reached tp_launch.resilient.run(), so a short job could end first.)"""
     with background(workdir, test_env, ["--nproc-per-node", "4", "--spares", "1", SCRIPT,
-                                        "--steps", str(STEPS), "--hold-at", "3"]) as (proc, out, _):
-        # The ranks wait at step 3 until the new spare has parked (however slow the
-        # machine), so the job cannot end before it.
+                                        "--steps", str(STEPS), "--hold-at", "2"]) as (proc, out, _):
         _wait(lambda: _parked(proc) >= 1, "a spare parks")
         (spare,) = _spares(test_env["TP_TEST_MARKER"])
         spare.kill()
@@ -212,13 +217,16 @@ def test_kill_parked_spare_is_replaced(workdir, test_env, reference):
 
 
 def test_planned_migration_recomputes_no_step(workdir, test_env, reference):
+    # The ranks hold at step 2 until the migration is asked for (the spare parks only
+    # after the ranks reached tp_launch.resilient.run(): a short job could end first).
     with background(workdir, test_env, ["--nproc-per-node", "4", "--spares", "1", SCRIPT,
-                                        "--steps", str(STEPS), "--step-sleep", "0.2"]) as (proc, out, env):
-        _wait(lambda: _parked(proc) >= 1 and len(entries(out)) == 4, "ranks train, a spare parks")
+                                        "--steps", str(STEPS), "--hold-at", "2"]) as (proc, out, env):
+        _wait(lambda: _parked(proc) >= 1 and all_held(out), "ranks train, a spare parks")
         old_pid = next(pid for pid, e in entries(out).items() if e[0][0] == 1)
         cmd = run_launcher(TP_RUN, ["migrate", "--rank", "1", "--agent-pid", str(proc.pid)],
                            env, workdir)
         assert cmd.returncode == 0 and "ok: rank 1" in cmd.stdout, cmd.stdout + cmd.stderr
+        (out / "release").touch()
         stdout, stderr = proc.communicate(timeout=HANG_TIMEOUT)
     assert proc.returncode == 0, stderr[-3000:]
     results = finals(out)
@@ -240,8 +248,9 @@ def test_migrate_bad_requests(workdir, test_env):
 
 @pytest.mark.parametrize("policy", ["fail", "restart", "wait"])
 def test_no_spare_left(workdir, test_env, reference, policy):
-    """Two ranks die at once with one spare parked."""
-    proc, out = launch(workdir, test_env,
+    """Two ranks die at once with one spare parked. (LOGLEVEL=INFO: restarts are logged
+    at INFO, as torchrun logs them.)"""
+    proc, out = launch(workdir, {**test_env, "LOGLEVEL": "INFO"},
                        ["--nproc-per-node", "4", "--spares", "1", "--spare-policy", policy,
                         "--max-restarts", "1"],
                        ["--kill", "1:6:forward,2:6:forward", "--parked", "1"])
@@ -275,16 +284,137 @@ def test_crash_loop_stops_with_root_cause(workdir, test_env):
 
 
 def test_script_not_using_the_api_runs_as_under_torchrun(workdir, test_env):
+    """A plain script with --spares: no spare ever starts beside it (none crashes, none
+    writes a file), one line says the spares are unused, failures go torchrun's way."""
     dump = workdir / "dump"
     dump.mkdir()
     env = {**test_env, "DUMP_DIR": str(dump), "OMP_NUM_THREADS": "1"}
-    ok = run_launcher(TP_RUN, ["--nproc-per-node", "2", "--spares", "1", "scripts/dump_env.py"],
-                      env, workdir)
+    logs = workdir / "logs"
+    ok = run_launcher(TP_RUN, ["--nproc-per-node", "2", "--spares", "1", "--local-ranks-filter",
+                               "0", "--log-dir", str(logs), "scripts/dump_env.py"], env, workdir)
     assert ok.returncode == 0, ok.stderr
     assert sorted(p.name for p in dump.glob("*.json")) == ["0.json", "1.json"]
+    assert not list(logs.glob("*/attempt_*/spare_*"))
+    assert "Traceback" not in ok.stderr
+    assert ok.stderr.count("--spares 1 unused") == 1, ok.stderr
     bad = run_launcher(TP_RUN, ["--nproc-per-node", "2", "--spares", "1", "scripts/worker.py",
                                 "--fail-rank", "1"], env, workdir)
     assert bad.returncode == 1 and "scripts/worker.py FAILED" in bad.stderr
+    assert "rank      : -1" not in bad.stderr  # no spare among the failures
+    assert bad.stderr.count("--spares 1 unused") == 1, bad.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["fail", "restart"])
+def test_spare_that_cannot_start_backs_off(workdir, test_env, policy):
+    """The script reads RANK at import, so every spare exits 1 there: one error line with
+    the spare's error (its traceback stays in its log), new spares with a growing delay,
+    and a rank that dies meanwhile gets --spare-policy."""
+    out = workdir / "out"
+    out.mkdir()
+    logs = workdir / "logs"
+    env = {**test_env, "OUT": str(out), "OMP_NUM_THREADS": "1", "LOGLEVEL": "INFO"}
+    job = Live(TP_RUN, ["--nproc-per-node", "2", "--spares", "1", "--spare-policy", policy,
+                        "--max-restarts", "1", "--log-dir", str(logs), SCRIPT, "--steps", "8",
+                        "--rank-at-import", "--hold-at", "2", "--kill", "1:4:forward",
+                        "--parked", "0"], env, workdir)
+    try:
+        # Three spares died: the first at once replaced, then after 1 s, then after 2 s.
+        job.wait_for(r"the next spare starts in 1 s")
+        job.wait_for(r"the next spare starts in 2 s")
+        (out / "release").touch()
+        rc, _, err = job.finish()
+    finally:
+        job.kill()
+    errors = [ln for ln in err.splitlines() if "before reaching tp_launch.resilient.run()" in ln]
+    assert len(errors) == 1, err
+    assert errors[0].startswith("E") and "exited with code 1" in errors[0]
+    assert "KeyError: 'RANK'" in errors[0]
+    assert "Traceback" not in err  # the spares' tracebacks are in their logs only
+    assert any("Traceback" in f.read_text() for f in logs.glob("*/attempt_0/spare_*/stderr.log"))
+    assert f"no spare parked for rank(s) [1] (--spare-policy {policy})" in err
+    if policy == "fail":
+        assert rc == 1 and "resilient_train.py FAILED" in err
+        assert "rank      : -1" not in err  # the dead spares are not the job's failures
+    else:
+        assert rc == 0, err[-3000:]
+        assert "will restart worker group" in err
+        assert [r["step"] for r in finals(out, world=2)] == [8, 8]
+
+
+def test_parked_spare_that_keeps_dying_backs_off(workdir, test_env, reference):
+    """Every spare SIGKILLs itself as soon as it is parked: it is replaced, ever later,
+    reported once; the ranks never notice."""
+    out = workdir / "out"
+    out.mkdir()
+    env = {**test_env, "OUT": str(out), "OMP_NUM_THREADS": "1", "LOGLEVEL": "INFO"}
+    job = Live(TP_RUN, ["--nproc-per-node", "4", "--spares", "1", SCRIPT, "--steps", str(STEPS),
+                        "--spare-dies-parked", "--hold-at", "2"], env, workdir)
+    try:
+        job.wait_for(r"the next spare starts in 2 s")
+        (out / "release").touch()
+        rc, stdout, err = job.finish()
+    finally:
+        job.kill()
+    warnings = [ln for ln in err.splitlines() if "parked spare" in ln]
+    assert len(warnings) == 1 and "was killed by SIGKILL" in warnings[0], err
+    assert "tp-run: failure:" not in err
+    check_completed(subprocess.CompletedProcess([], rc, stdout, err), out, reference, set())
+
+
+def test_full_log_disk_costs_logs_not_the_recovery(workdir, test_env, reference, small_disk):
+    """The log disk fills up (space and inodes) while the job runs; then a rank dies. The
+    recovery goes on as usual: the new spare gets no log directory, recovery.jsonl no
+    line, and one warning says so."""
+    out = workdir / "out"
+    out.mkdir()
+    env = {**test_env, "OUT": str(out), "OMP_NUM_THREADS": "1"}
+    job = Live(TP_RUN, ["--nproc-per-node", "4", "--spares", "1", "--log-dir", str(small_disk),
+                        SCRIPT, "--steps", str(STEPS), "--hold-at", "3",
+                        "--kill", "2:6:forward"], env, workdir)
+    try:
+        _wait(lambda: all_held(out) and _parked(job.proc) >= 1, "4 ranks held, a spare parked")
+        fill(small_disk)
+        (out / "release").touch()
+        rc, stdout, err = job.finish()
+    finally:
+        job.kill()
+    check_completed(subprocess.CompletedProcess([], rc, stdout, err), out, reference, {2})
+    assert "tp-run: failure: rank(s) [2]" in err
+    warnings = [line for line in err.splitlines() if "cannot write" in line]
+    assert len(warnings) == 1 and "No space left on device" in warnings[0], err
+    assert "Traceback" not in err
+    assert not recoveries(small_disk)
+
+
+@pytest.mark.parametrize("outcome", ["recovered", "failed", "signalled"])
+def test_no_temp_directory_left_behind(workdir, test_env, tmp_path, outcome):
+    """Resilient mode without --log-dir: after tp-run exits (a recovery then success, a
+    failure, SIGTERM), nothing it made is left in the temp dir: no log dir, no progress
+    board (shared memory), no control socket (the per-user control dir stays, empty).
+    torch's own compile cache (torchinductor_<user>) is not tp-run's."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    out = workdir / "out"
+    out.mkdir()
+    script = {"recovered": ["--kill", "2:4:forward"],
+              "failed": ["--kill", "1:4:forward,2:4:forward"],
+              "signalled": ["--hold-at", "3"]}[outcome]
+    policy = ["--spare-policy", "fail"] if outcome == "failed" else []
+    env = {**test_env, "OUT": str(out), "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp)}
+    job = Live(TP_RUN, ["--nproc-per-node", "4", "--spares", "1", *policy, SCRIPT,
+                        "--steps", "8", *script], env, workdir)
+    try:
+        if outcome == "signalled":
+            _wait(lambda: all_held(out), "4 ranks held")
+            job.proc.send_signal(signal.SIGTERM)
+        rc, _, err = job.finish()
+    finally:
+        job.kill()
+    assert rc == (0 if outcome == "recovered" else 1), err[-3000:]
+    left = {p.name: p for p in tmp.iterdir() if not p.name.startswith("torchinductor_")}
+    assert set(left) == {f"tp-run-{os.getuid()}"}, left
+    assert list(left[f"tp-run-{os.getuid()}"].iterdir()) == []
 
 
 def test_sigkill_to_agent_leaves_no_rank_or_spare(workdir, test_env):
@@ -426,7 +556,8 @@ def test_node_loss_without_spares_restarts_the_survivors(workdir, test_env, etcd
     can take its two ranks: the survivor restarts its workers (counted) in a new round of
     one node, as torchrun would, and finishes."""
     conf = RDZV_CONF.replace("last_call_timeout=1", "last_call_timeout=5")
-    with node_job(workdir, test_env, etcd_server) as (start, agents, out):
+    env = {**test_env, "LOGLEVEL": "INFO"}  # the restart is logged at INFO, as torchrun's
+    with node_job(workdir, env, etcd_server) as (start, agents, out):
         for node in range(2):
             start(node, "--nnodes", "1:2", "--spares", "1", "--max-restarts", "1", conf=conf)
         _wait(lambda: all_held(out), "4 ranks train")

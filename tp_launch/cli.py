@@ -20,6 +20,7 @@ import click
 from tp_launch.config import (
     ConfigError,
     LaunchConfig,
+    check_seconds,
     parse_comma_list,
     parse_local_ranks_filter,
     parse_nnodes,
@@ -191,6 +192,10 @@ def config_from_options(opts: dict[str, Any]) -> LaunchConfig:
             raise ConfigError(
                 f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={env_timeout!r} is not a number of seconds"
             ) from None
+        check_seconds(shutdown_timeout, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+    # click's FloatRange lets nan and inf through (nan compares false with the bounds).
+    check_seconds(opts["monitor_interval"], "--monitor-interval")
+    check_seconds(opts["spare_wait_timeout"], "--spare-wait-timeout")
 
     return LaunchConfig(
         min_nodes=min_nodes,
@@ -323,31 +328,42 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as e:
         click.echo(f"tp-run: error: {e}", err=True)
         sys.exit(USAGE_EXIT)
-    except click.exceptions.Abort:
+    except click.exceptions.Abort:  # click's KeyboardInterrupt: SIGINT not handled (yet)
+        print("tp-run: stopped by SIGINT", file=sys.stderr)
         sys.exit(1)
     sys.exit(code if isinstance(code, int) else 0)
 
 
-class _EveryLineFormatter(logging.Formatter):
-    """Puts the record's header on every line of a multi-line message, as torchrun does."""
+# The directory that holds the tp_launch and rendezvous packages: log lines name their
+# source relative to it (tp_launch/agent/node_agent.py:42), as torchrun's name
+# torch/distributed/elastic/agent/server/api.py:42.
+_SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class _TorchrunFormatter(logging.Formatter):
+    """torchrun's line header, ``W1202 17:55:32.779000 2474 path/to/file.py:42] ``, on
+    every line of a multi-line message, as torchrun does."""
+
+    def __init__(self) -> None:
+        super().__init__(datefmt="%m%d %H:%M:%S")
 
     def format(self, record: logging.LogRecord) -> str:
-        text = super().format(record)
+        path = record.pathname
+        if path.startswith(_SOURCE_ROOT + os.sep):
+            path = path[len(_SOURCE_ROOT) + 1:]
+        header = (f"{record.levelname[:1]}{self.formatTime(record, self.datefmt)}."
+                  f"{int(record.msecs):03d}000 {record.process} {path}:{record.lineno}] ")
         message = record.getMessage()
-        header = text[: len(text) - len(message)] if text.endswith(message) else ""
-        if not header or "\n" not in message:
-            return text
+        if record.exc_info:
+            message += "\n" + self.formatException(record.exc_info)
         return "\n".join(header + line for line in message.split("\n"))
 
 
 def _setup_logging() -> None:
-    """Agent log lines in torchrun's shape: ``W1202 17:55:32.779000 2474 file:line] msg``."""
+    """Agent log lines in torchrun's shape and at torchrun's default level (LOGLEVEL)."""
     level = os.environ.get("LOGLEVEL", "WARNING").upper()
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_EveryLineFormatter(
-        "%(levelname).1s%(asctime)s.%(msecs)03d000 %(process)d %(name)s:%(lineno)d] %(message)s",
-        datefmt="%m%d %H:%M:%S",
-    ))
+    handler.setFormatter(_TorchrunFormatter())
     for name in ("tp_launch", "rendezvous"):
         log = logging.getLogger(name)
         log.addHandler(handler)

@@ -9,6 +9,7 @@ MIN:MAX``, ``-r 0:1,1:2``, ``--rdzv-conf k=v,...``) once, with errors a user can
 from __future__ import annotations
 
 import enum
+import math
 import os
 import re
 import signal
@@ -236,10 +237,21 @@ def parse_signals(value: str) -> list[signal.Signals]:
 
 
 def parse_duration(value: str, key: str) -> float:
+    """A ``--rdzv-conf`` duration in seconds: a finite number (``nan`` would wait forever)."""
     try:
-        return float(value)
+        seconds = float(value)
     except ValueError:
-        raise ConfigError(f"--rdzv-conf {key}={value!r} is not a number of seconds") from None
+        seconds = math.nan
+    if not math.isfinite(seconds):
+        raise ConfigError(f"--rdzv-conf {key}={value!r} is not a finite number of seconds")
+    return seconds
+
+
+def check_seconds(seconds: float, what: str) -> float:
+    """A duration option (already a float): finite and not negative, or a ConfigError."""
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ConfigError(f"{what}={seconds!r} is not a finite, non-negative number of seconds")
+    return seconds
 
 
 def split_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:

@@ -221,7 +221,7 @@ class Job:
             self.procs.append(self._popen(
                 [*tprun, *common, "--spares", "1", "--spare-policy", "restart", *restarts,
                  "--log-dir", str(self.dir / "logs"), str(TRAIN), *model, "--resilient"],
-                "launcher.log"))
+                "launcher.log", {"LOGLEVEL": "INFO"}))  # restarts are logged at INFO
         elif s == "torchft":
             port = free_port()
             self.procs.append(self._popen(
@@ -331,7 +331,7 @@ class Job:
                 sample.error = f"{len(pending)} scheduled failure(s) never injected"
         sample.ok = not sample.error
         # Restarts of the whole group = worker generations - 1 (every attempt's workers
-        # open a progress file; torchrun logs its restarts only at INFO level).
+        # open a progress file; torchrun and tp-run log their restarts only at INFO level).
         # TorchFT: per replica group. tp-run resilient: spares open files too, so its
         # restart-all fallbacks are counted from the agent's log.
         files = len(list(self.dir.glob("progress_*.txt")))

@@ -26,7 +26,8 @@ p.add_argument("--fail-until", type=int, default=1 << 30)
 args = p.parse_args()
 
 env = {k: v for k, v in os.environ.items()
-       if k.startswith(("RANK", "LOCAL_", "WORLD", "GROUP", "ROLE", "MASTER", "TORCHELASTIC"))}
+       if k.startswith(("RANK", "LOCAL_", "WORLD", "GROUP", "ROLE", "MASTER", "TORCHELASTIC",
+                        "TP_RUN_"))}
 restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 out = os.environ["DUMP_DIR"]
 if int(os.environ["WORLD_SIZE"]) < args.min_world:

@@ -6,10 +6,14 @@
 WHERE is ``forward`` (a forward pre-hook), ``allreduce`` (inside DDP's gradient
 all-reduce: the communication hook), or ``after-step`` (right after optimizer.step()).
 Each kill happens once per job (a marker file in $OUT), by SIGKILL to the process
-itself. ``--crash-step S``: every rank raises at step S, every time (a script bug).
-``--hold-at S``: after step S each rank (once) waits for ``$OUT/release``, so a test can
-act while the job is mid-run. ``--sabotage``: a registered object that SIGKILLs its process while the state is moved
-(``donor``: when a donor snapshots it; ``newcomer``: when a newcomer loads it), once.
+itself. ``--crash-step S``: every rank raises at step S, every time (a script bug), once
+``--parked`` spares are parked. ``--hold-at S``: after step S each rank (once) waits for
+``$OUT/release``, so a test can act while the job is mid-run. ``--sabotage``: a
+registered object that SIGKILLs its process while the state is moved (``donor``: when a
+donor snapshots it; ``newcomer``: when a newcomer loads it), once.
+``--rank-at-import``: read RANK at import, as many scripts do (a spare, which has no
+RANK, fails there). ``--spare-dies-parked``: a spare SIGKILLs itself as soon as the agent
+counts a parked spare (it parks, then dies, every time).
 
 Outputs in $OUT: ``entry_<pid>`` lines "rank step world" at each (re)entry of train,
 ``final_<rank>.json`` {pid, step, checksum} at the end. With ``--no-resilient`` the
@@ -25,6 +29,7 @@ import inspect
 import json
 import os
 import signal
+import threading
 import time
 
 import torch
@@ -46,7 +51,11 @@ p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
 p.add_argument("--parked", type=int, default=1, help="spares that must be parked before a kill")
 p.add_argument("--hold-at", type=int, default=-1,
                help="after this step, each rank writes $OUT/held_<rank> and waits for $OUT/release")
+p.add_argument("--rank-at-import", action="store_true")
+p.add_argument("--spare-dies-parked", action="store_true")
 args = p.parse_args()
+if args.rank_at_import:
+    RANK_AT_IMPORT = int(os.environ["RANK"])
 OUT = os.environ["OUT"]
 KILLS = [tuple(k.split(":")) for k in args.kill.split(",") if k]
 
@@ -92,6 +101,22 @@ def maybe_kill(where: str, step: int) -> None:
             if once(f"{r}_{s}_{w}"):
                 together(step, where)
                 die()
+
+
+TRAINING = threading.Event()  # set once train() runs here (a promoted spare included)
+
+
+def die_when_parked() -> None:
+    from tp_launch.resilient import parked_spares
+
+    while not TRAINING.is_set():
+        if parked_spares() >= 1:
+            die()
+        time.sleep(0.05)
+
+
+if args.spare_dies_parked and os.environ.get("TP_RUN_SPARE") == "1":
+    threading.Thread(target=die_when_parked, daemon=True).start()
 
 
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,6 +168,7 @@ def checksum(m: nn.Module) -> str:
 
 
 def train(state) -> str:
+    TRAINING.set()
     saboteur.entered += 1
     rank, world = dist.get_rank(), dist.get_world_size()
     with open(os.path.join(OUT, f"entry_{os.getpid()}"), "a") as f:
@@ -157,6 +183,7 @@ def train(state) -> str:
     for step in steps(state):
         current[0] = step
         if step == args.crash_step:
+            wait_parked(args.parked)  # a bug, not a lack of spares, must stop the job
             raise ValueError(f"deliberate bug at step {step}")
         x, y = batch(step, rank)
         loss = nn.functional.mse_loss(ddp(x), y)

@@ -13,7 +13,9 @@ decisions:
   stayed, promote parked spares into the new ranks, release the rest;
 - :class:`CrashLoop`: a rank that fails with an error again at the step of the previous
   error failure is a script bug, not a machine failure: stop instead of draining the
-  pool.
+  pool;
+- :class:`SpareRestarts`: spares that keep dying young are started again ever later
+  (exponential backoff), not in a loop.
 
 Generations only grow; a process is told the generation number with every announcement
 and ignores anything older than what it holds. On one node the agent is the only
@@ -186,3 +188,37 @@ class CrashLoop:
         looping = self.last_error_step is not None and step <= self.last_error_step
         self.last_error_step = step
         return looping
+
+
+@dataclass
+class SpareRestarts:
+    """When to start a new spare after one died: at once after a spare that lived, then
+    exponentially later while they keep dying young (a script that cannot run as a
+    spare, a broken device, a spare killed as soon as it parks), up to ``cap_s``.
+
+    A young death is one within ``stable_s`` of the spare's start. Only the first death
+    of a streak is worth the user's attention (:meth:`died` says which).
+    """
+
+    base_s: float = 1.0
+    cap_s: float = 120.0
+    stable_s: float = 60.0
+    streak: int = 0  # young deaths in a row
+    not_before: float = 0.0  # monotonic time before which no spare starts
+
+    def died(self, lifetime: float, now: float) -> float:
+        """A spare died after ``lifetime`` seconds: the delay before the next start."""
+        if lifetime >= self.stable_s:
+            self.streak = 0
+        self.streak += 1
+        delay = 0.0 if self.streak == 1 else min(self.base_s * 2 ** (self.streak - 2),
+                                                 self.cap_s)
+        self.not_before = now + delay
+        return delay
+
+    @property
+    def first_of_streak(self) -> bool:
+        return self.streak == 1
+
+    def ready(self, now: float) -> bool:
+        return now >= self.not_before

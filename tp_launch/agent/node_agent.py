@@ -12,10 +12,16 @@ One attempt runs as follows:
    round, a new store, ``TORCHELASTIC_RESTART_COUNT`` + 1) or, with no restarts left,
    the failure summary and exit 1. A handled signal is forwarded to the workers, which
    get the same grace period; the agent then exits 1.
+
+Signals are honoured in every phase: in the select loop through the wake-up fd, and in
+the blocking phases outside it (connecting to the rendezvous service, waiting for the
+other nodes, the exit barrier, leaving) by raising at once (:class:`SignalWatch`). Log
+lines keep torchrun's levels: restarts are INFO, as in torchrun.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import selectors
@@ -23,7 +29,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 from rendezvous import RendezvousError, RendezvousHandler, RendezvousInfo, create_handler
 from tp_launch.agent.events import EventLog
@@ -49,7 +55,11 @@ OMP_WARNING = (
 _WORLD_CHANGED = object()  # selector tag of the rendezvous' world-change fd
 
 
-class SignalReceived(Exception):
+class SignalReceived(BaseException):
+    """A handled signal arrived. A BaseException, like KeyboardInterrupt: raised from the
+    handler in a blocking phase, it must get through the backends' ``except Exception``
+    (which turn errors into KVError) to the agent."""
+
     def __init__(self, sig: signal.Signals) -> None:
         super().__init__(f"received {sig.name}")
         self.sig = sig
@@ -67,11 +77,19 @@ class AttemptResult:
 
 
 class SignalWatch:
-    """Turns handled signals into a readable fd and a queue, for the agent's select."""
+    """Turns handled signals into a readable fd and a queue, for the agent's select.
+
+    Outside the select loop the agent blocks elsewhere: connecting to the rendezvous
+    service, waiting for the other nodes (up to ``join_timeout``), in the exit barrier.
+    There it enters :meth:`interruptible`: a signal then raises :class:`SignalReceived`
+    at once in the main thread, out of whatever wait it is in (``Event.wait``,
+    ``time.sleep`` and gRPC's waits all run signal handlers), as torchrun's handler does.
+    """
 
     def __init__(self, signals: list[signal.Signals]) -> None:
         self._r, self._w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.pending: list[signal.Signals] = []
+        self._raise = False
         self._old = {sig: signal.signal(sig, self._on_signal) for sig in signals}
         self._old_wakeup = signal.set_wakeup_fd(self._w, warn_on_full_buffer=False)
 
@@ -80,7 +98,22 @@ class SignalWatch:
         return self._r
 
     def _on_signal(self, signum: int, _frame: object) -> None:
-        self.pending.append(signal.Signals(signum))
+        sig = signal.Signals(signum)
+        self.pending.append(sig)
+        if self._raise:
+            self._raise = False  # once: the shutdown that follows runs to its end
+            raise SignalReceived(sig)
+
+    @contextlib.contextmanager
+    def interruptible(self) -> Iterator[None]:
+        """A blocking phase: a handled signal (or one already pending) raises
+        :class:`SignalReceived` in it."""
+        self.raise_pending()
+        self._raise = True
+        try:
+            yield
+        finally:
+            self._raise = False
 
     def drain(self) -> None:
         try:
@@ -109,22 +142,23 @@ class NodeAgent:
         rdzv: the rendezvous handler for this job.
     """
 
-    def __init__(self, config: LaunchConfig, rdzv: RendezvousHandler) -> None:
+    def __init__(self, config: LaunchConfig, rdzv: RendezvousHandler,
+                 layout: LogLayout | None = None) -> None:
         self.config = config
         self.rdzv = rdzv
         self.workers: list[WorkerProcess] = []
         self.events = EventLog(config.event_log_handler)
-        self.layout = LogLayout(config, rdzv.run_id)
+        self.layout = layout or LogLayout(config, rdzv.run_id)
 
-    def run(self) -> int:
+    def run(self, watch: SignalWatch) -> int:
         """The agent's whole life; returns tp-run's exit status."""
         cfg = self.config
-        watch = SignalWatch(cfg.signals_to_handle)
+        code = 1
         try:
             restart_count = 0
             while True:
-                watch.raise_pending()
-                info = self.rdzv.next_rendezvous(cfg.nproc_per_node)
+                with watch.interruptible():
+                    info = self.rdzv.next_rendezvous(cfg.nproc_per_node)
                 result = self._run_attempt(info, restart_count, watch)
                 self.events.record(
                     f"torchelastic.worker.status.{'FAILED' if result.failures else 'SUCCEEDED'}",
@@ -132,38 +166,45 @@ class NodeAgent:
                     restart_count=restart_count,
                     failed_ranks=sorted(f.rank for f in result.failures))
                 if not result.failures and result.change is None:
-                    result.change = self._exit_barrier()
+                    with watch.interruptible():
+                        result.change = self._exit_barrier()
                 if not result.failures and result.change is None:
                     logger.info("[%s] worker group successfully finished", cfg.role)
-                    self.layout.remove_if_temporary()
-                    return 0
+                    code = 0
+                    return code
                 if result.change is not None and not result.change.counts_as_failure:
                     # A node waits to be admitted: torchrun restarts the group to let it
                     # in, and does not count that against --max-restarts.
-                    logger.warning("[%s] %s; restarting the worker group", cfg.role,
-                                   result.change.detail)
+                    logger.info("[%s] %s; restarting the worker group", cfg.role,
+                                result.change.detail)
                     continue
-                if result.change is not None:
-                    logger.error("[%s] worker group stopped: %s", cfg.role, result.change.detail)
                 if restart_count < cfg.max_restarts and self._may_restart():
+                    if result.change is not None:
+                        logger.info("[%s] worker group stopped: %s", cfg.role,
+                                    result.change.detail)
                     restart_count += 1
-                    logger.warning(
+                    logger.info(
                         "[%s] Worker group FAILED. %s/%s attempts left; will restart worker group",
                         cfg.role, cfg.max_restarts - restart_count + 1, cfg.max_restarts)
                     continue
+                if result.change is not None:
+                    logger.error("[%s] worker group stopped: %s", cfg.role, result.change.detail)
                 if result.root is not None:  # None: another node failed, ours were done
                     print(format_summary(cfg.name, result.root, result.failures),
                           file=sys.stderr)
                     copy_root_cause(result.root)
-                return 1
+                return code
         except SignalReceived as e:
             print(f"tp-run: stopped by {e.sig.name}; workers shut down", file=sys.stderr)
-            return 1
+            return code
         finally:
             stop_workers(self.workers, signal.SIGTERM, cfg.shutdown_timeout)
             self._release_workers()
-            self.rdzv.shutdown()
-            watch.close()
+            try:
+                with watch.interruptible():
+                    self.rdzv.shutdown()
+            except SignalReceived:
+                pass  # leaving now: a lease expires, a hosted store closes with this process
 
     def _may_restart(self) -> bool:
         """Whether a failed attempt may be restarted (resilient mode can say no)."""
@@ -245,9 +286,6 @@ class NodeAgent:
 
     def _fail(self, first: list[WorkerProcess], global_ranks: dict[int, int]) -> AttemptResult:
         cfg = self.config
-        for w in first:
-            logger.error("failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s",
-                         w.returncode, w.local_rank, w.pid, cfg.entrypoint[0])
         self._report_failure(first[0], global_ranks)
         stop_workers(self.workers, signal.SIGTERM, cfg.shutdown_timeout)
         # torchrun's order (its summary numbers failures so): the failures that ended
@@ -262,6 +300,9 @@ class NodeAgent:
         ]
         root = min((f for f in failures if f.pid in first_pids),
                    key=lambda f: f.observed)
+        # torchrun's order: the peers' closing signals, then the first failure, once.
+        logger.error("failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s",
+                     root.exitcode, root.local_rank, root.pid, cfg.entrypoint[0])
         return AttemptResult(failures, root)
 
     def _report_failure(self, first: WorkerProcess, global_ranks: dict[int, int]) -> None:
@@ -275,6 +316,8 @@ class NodeAgent:
         """Another node failed, left, or waits: stop ours; the caller re-rendezvouses."""
         cfg = self.config
         change = self.rdzv.world_change()  # type: ignore[attr-defined]
+        # WARNING: torchrun's user learns of it from a local worker's failure (ERROR);
+        # here the local workers are stopped first and would fail silently.
         logger.warning("[%s] %s: stopping the worker group", cfg.role, change.detail)
         stop_workers(self.workers, signal.SIGTERM, cfg.shutdown_timeout)
         failures = [
@@ -289,7 +332,11 @@ class NodeAgent:
     def _exit_barrier(self) -> Any:
         """Multi-node: wait until every node succeeded (a WorldChange if one did not)."""
         barrier = getattr(self.rdzv, "exit_barrier", None)
-        return barrier() if barrier is not None else None
+        if barrier is None:
+            return None
+        logger.info("Local worker group finished (SUCCEEDED). Waiting for other agents to "
+                    "finish")
+        return barrier()
 
     def _release_workers(self) -> None:
         for w in self.workers:
@@ -303,15 +350,40 @@ def run_agent(config: LaunchConfig) -> int:
         logger.warning(OMP_WARNING)
         os.environ["OMP_NUM_THREADS"] = "1"
     GUARDIAN.start()  # forks: before any thread exists
+    watch = SignalWatch(config.signals_to_handle)
     try:
-        rdzv = create_handler(config)
+        code = _run_agent(config, watch)
+    finally:
+        signalled = bool(watch.pending)
+        watch.close()
+        GUARDIAN.stop()
+    if signalled:
+        # Everything is stopped and cleaned up: leave now. Python's own teardown of an
+        # agent that imported torch (to host a store) takes seconds more.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _run_agent(config: LaunchConfig, watch: SignalWatch) -> int:
+    layout: LogLayout | None = None
+    try:
+        layout = LogLayout(config, config.run_id)  # an unusable --log-dir: exit 2 up front
+        with watch.interruptible():  # reaching the rendezvous service can take a while
+            rdzv = create_handler(config)
         if config.spares > 0:
             from tp_launch.agent.resilient_agent import ResilientAgent
 
-            return ResilientAgent(config, rdzv).run()
-        return NodeAgent(config, rdzv).run()
-    except (RendezvousError, ConfigError, NotADirectoryError) as e:
+            return ResilientAgent(config, rdzv, layout).run(watch)
+        return NodeAgent(config, rdzv, layout).run(watch)
+    except SignalReceived as e:
+        print(f"tp-run: stopped by {e.sig.name}", file=sys.stderr)
+        return 1
+    except (RendezvousError, ConfigError) as e:
         print(f"tp-run: error: {e}", file=sys.stderr)
         return 2 if isinstance(e, ConfigError) else 1
     finally:
-        GUARDIAN.stop()
+        if layout is not None:
+            layout.close()  # the temporary log dir goes, whatever the outcome

@@ -2,13 +2,19 @@
 
 One attempt, on top of the compatible agent (:mod:`tp_launch.agent.node_agent`):
 
-1. Spawn this node's ranks (a spare node, beyond the world: none) and K spares (a spare
-   node: ``--nproc-per-node``), each with the agent channel in its environment
-   (:mod:`tp_launch.channel`). A script that never connects (it does not use
-   ``tp_launch.resilient``) is run exactly as torchrun runs it: its spares fail and are
-   given up on, a failure stops every worker and restarts them (``--max-restarts``).
+1. Spawn this node's ranks (a spare node, beyond the world: none), each with the agent
+   channel in its environment (:mod:`tp_launch.channel`). The K spares (a spare node:
+   ``--nproc-per-node``) start once a rank has said hello, which proves the script opts
+   in (from then on, for the whole job, at once; a spare node starts them at once). A
+   script that never connects (it does not use ``tp_launch.resilient``) is run exactly
+   as torchrun runs it: no spare beside it, one line saying the spares are unused, a
+   failure stops every worker and restarts them (``--max-restarts``).
 2. Each spare parks in ``run()`` with its model built; each rank that says hello is told
-   the current generation (:class:`~tp_launch.agent.control.Generation`).
+   the current generation (:class:`~tp_launch.agent.control.Generation`). A spare that
+   dies (before parking: it cannot run as a spare; or parked) is reported once with its
+   error, and its replacements start with an exponential backoff while spares keep
+   dying young (:class:`~tp_launch.agent.control.SpareRestarts`); meanwhile a dead rank
+   takes another parked spare or ``--spare-policy``.
 3. A rank dies (its pidfd is readable at once), or another node is lost (multi-node: its
    lease expired): :func:`~tp_launch.agent.control.place` finds parked spares for the
    ranks, the agent publishes generation g+1 (:mod:`tp_launch.agent.generations`: locally,
@@ -29,8 +35,10 @@ validation, the status file and the progress board, all in a private control dir
 is :mod:`tp_launch.agent.control_server`; this module holds what the agent does with the
 messages.
 
-Each recovery is one JSON line in ``<run log dir>/recovery.jsonl`` and one line on the
-console (multi-node: on every node, with that node's ranks' timings).
+Each recovery is one JSON line in ``<run log dir>/recovery.jsonl`` (a write that fails,
+a full disk, costs the line, not the job) and one line on the console (multi-node: on
+every node, with that node's ranks' timings). A spare's output goes to its own log files
+(:mod:`tp_launch.procs.logs`) and reaches the console only once it takes a rank.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ import logging
 import os
 import selectors
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -48,22 +57,21 @@ from typing import Any
 from rendezvous import RendezvousInfo
 from rendezvous.membership import CHANGE_FAILURE, CHANGE_LOST, WorldChange
 from tp_launch import channel
-from tp_launch.agent.control import CrashLoop, Generation, World, place
+from tp_launch.agent.control import CrashLoop, Generation, SpareRestarts, World, place
 from tp_launch.agent.control_server import Conn, ControlServer
 from tp_launch.agent.generations import LocalGenerations, SharedGenerations, View
 from tp_launch.agent.failures import ProcessFailure
-from tp_launch.agent.node_agent import AttemptResult, NodeAgent, SignalWatch
+from tp_launch.agent.node_agent import AttemptResult, NodeAgent, SignalReceived, SignalWatch
 from tp_launch.agent.worker_env import spare_env, worker_argv, worker_env
 from tp_launch.config import ConfigError
 from tp_launch.control_files import AgentStatus
-from tp_launch.procs.logs import ConsoleTail, RankLogs
+from tp_launch.procs.logs import ConsoleTail, RankLogs, SpareOutput
 from tp_launch.procs.worker import WorkerProcess, stop_workers
 
 logger = logging.getLogger(__name__)
 
-# A spare that dies this many times in a row before it parks means the script cannot
-# run as a spare (it reads RANK at import, say): carry on without spares.
-_SPARE_FAILURES_MAX = 3
+# The job is over: how long spares told to exit get to do so before they are stopped.
+_SPARE_EXIT_S = 5.0
 # Steps past the highest committed step at which a planned migration stops the ranks:
 # ranks are within one step of each other, the announcement takes microseconds.
 _MIGRATION_MARGIN = 2
@@ -80,6 +88,7 @@ class Proc:
     logs: RankLogs
     conn: Conn | None = None
     hello: bool = False
+    output: SpareOutput | None = None  # a spare's streams, through the agent
 
 
 @dataclass
@@ -108,7 +117,7 @@ class StopJob(Exception):
 class ResilientAgent(NodeAgent):
     """A :class:`NodeAgent` that replaces dead ranks with parked spares."""
 
-    def run(self) -> int:
+    def run(self, watch: SignalWatch) -> int:
         membership = getattr(self.rdzv, "membership", None)
         if self.config.max_nodes > 1 and membership is None:
             raise ConfigError("--spares across nodes needs a membership rendezvous "
@@ -117,7 +126,13 @@ class ResilientAgent(NodeAgent):
         if membership is not None:
             self.rdzv.accept_spare_nodes()  # type: ignore[attr-defined]
         self._no_restart = False
-        return super().run()
+        # Job-wide: a rank of this node said hello (the script uses tp_launch.resilient);
+        # until then no spare is started, since a script that does not opt in would only
+        # run (and crash, or write files) beside the ranks.
+        self._opted_in = False
+        self._spare_restarts = SpareRestarts()
+        self._said_unused = False
+        return super().run(watch)
 
     def _may_restart(self) -> bool:
         return not self._no_restart
@@ -136,7 +151,6 @@ class ResilientAgent(NodeAgent):
         self._info, self._logs, self._restart_count = info, logs, restart_count
         self._procs: dict[int, Proc] = {}
         self._resilient = False
-        self._spare_failures = 0
         self._crash = CrashLoop()
         self._recovery: Recovery | None = None
         self._waiting: dict[int, str] = {}  # rank -> lost node, waiting for a spare
@@ -168,9 +182,13 @@ class ResilientAgent(NodeAgent):
         self._gen = self._gens.initial()
         self._world = World(self._gens.node, self._gen.gen)
         mine = self._gen.ranks_of(self._gens.node)
-        # A spare node (beyond the world) starts as a node of parked spares only.
+        self._local_of = {rank: local for local, rank in enumerate(mine)}
+        # A spare node (beyond the world) starts as a node of parked spares only (it has
+        # no rank to learn from whether the script opts in).
         self._pool = cfg.spares if mine else cfg.nproc_per_node
         self._next_slot = cfg.nproc_per_node if mine else 0
+        self._spares_wanted = self._opted_in or not mine
+        self._ended = False
         # (A spare node's rank logs stay unused: its spares log as spares.)
         self._tail = ConsoleTail(cfg, logs, {r: mine[r] if r < len(mine) else r
                                              for r in logs.ranks})
@@ -179,16 +197,24 @@ class ResilientAgent(NodeAgent):
                 self._spawn_slot(local, logs.ranks[local])
                 self._world.slot_of[rank] = local
                 self._holders.add(rank)  # its freshly built (or loaded) state
-            for _ in range(self._pool):
-                self._spawn_spare()
+            self._spawn_missing_spares()
             self._write_status()
             return self._monitor_resilient(watch)
         except StopJob as e:
             self._no_restart = self._no_restart or e.final
             return e.result
+        except SignalReceived as e:  # forwarded to every process, as in compatible mode
+            logger.warning("Received %s death signal, shutting down workers", e.sig.name)
+            stop_workers(self.workers, e.sig, cfg.shutdown_timeout)
+            raise
         finally:
+            if self._ended:
+                self._let_spares_leave()
             stop_workers(self.workers, signal.SIGTERM, cfg.shutdown_timeout)
             self._tail.stop()
+            for proc in self._procs.values():
+                if proc.output is not None:
+                    proc.output.join(1.0)
             self._close_channel()
             self._gens.close()
             self._release_workers()
@@ -197,29 +223,53 @@ class ResilientAgent(NodeAgent):
 
     def _spawn_slot(self, slot: int, rl: RankLogs, spare: bool = False) -> Proc:
         cfg, info = self.config, self._info
+        # A rank's device is its local rank; a spare's, the lowest one no live process
+        # uses (slots only grow: a slot number would point past the node's last device).
+        device = self._free_device() if spare else slot
         make_env = spare_env if spare else worker_env
-        env = make_env(cfg, info, slot, self._restart_count, rl.error_file)
+        env = make_env(cfg, info, device, self._restart_count, rl.error_file)
         env.update({channel.ENV_SOCKET: self._control.path, channel.ENV_SLOT: str(slot),
                     channel.ENV_PROGRESS: self._board.path})
         if cfg.verify_every:
             env[channel.ENV_VERIFY_EVERY] = str(cfg.verify_every)
-        argv = worker_argv(cfg, slot)
+        argv = worker_argv(cfg, device)
         try:
-            worker = WorkerProcess(argv, env, rl.stdout, rl.stderr, slot)
+            worker = WorkerProcess(argv, env, rl.stdout, rl.stderr, device, piped=spare)
         except OSError as e:
             raise ConfigError(f"cannot start {argv[0]}: {e.strerror or e}") from None
         self.workers.append(worker)
-        proc = Proc(slot, worker, rl)
+        proc = Proc(slot, worker, rl, output=SpareOutput(worker.popen, rl) if spare else None)
         self._procs[slot] = proc
         self._sel.register(worker.pidfd, selectors.EVENT_READ, ("exit", proc))
         return proc
 
+    def _free_device(self) -> int:
+        used = {p.worker.local_rank for p in self._procs.values() if p.worker.returncode is None}
+        return next(d for d in range(len(used) + 1) if d not in used)
+
     def _spawn_spare(self) -> None:
         slot = self._next_slot
         self._next_slot += 1
-        rl = self.layout.spare_logs(self._logs, slot)
-        self._spawn_slot(slot, rl, spare=True)
-        self._tail.add(rl, f"{self.config.role}-spare{slot}")
+        self._spawn_slot(slot, self.layout.spare_logs(self._logs, slot), spare=True)
+
+    def _show_as_rank(self, slot: int, rank: int) -> None:
+        """A spare took ``rank``: its output from now on appears as the rank's would."""
+        output = self._procs[slot].output
+        if output is not None:
+            output.show(self.layout.console_streams(self._local_of.get(rank, 0), rank))
+
+    def _let_spares_leave(self) -> None:
+        """The job is over and the parked spares were told to exit: give them a moment to
+        leave by themselves; what is left (spares still starting) is stopped quietly."""
+        deadline = time.monotonic() + min(self.config.shutdown_timeout, _SPARE_EXIT_S)
+        for proc in self._procs.values():
+            if proc.hello:
+                try:
+                    proc.worker.popen.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    break
+        stop_workers(self.workers, signal.SIGTERM, self.config.shutdown_timeout,
+                     level=logging.INFO)
 
     def _slot_rank(self, slot: int) -> int | None:
         return self._world.rank_of(slot)
@@ -265,11 +315,13 @@ class ResilientAgent(NodeAgent):
                                            "did not start")
             proc.conn, proc.hello = conn, True
             self._resilient = True
+            if not self._spares_wanted:  # the script opts in: now the spares start
+                self._opted_in = self._spares_wanted = True
+                self._spawn_missing_spares()
             rank = self._slot_rank(proc.slot)
             if rank is not None:
                 self._tell(proc.slot, self._generation_msg(rank))
             elif proc.slot not in self._retired:
-                self._spare_failures = 0
                 self._world.park(proc.slot)
                 if self._unplaced:
                     self._fill_unplaced()
@@ -360,9 +412,13 @@ class ResilientAgent(NodeAgent):
                 self._on_world_change()
             if self._waiting and time.monotonic() > self._wait_deadline:
                 raise StopJob(self._failure_result(), final=True)
+            self._spawn_missing_spares()  # a spare whose backoff delay is over
             ranks_alive = [s for s in self._world.slot_of.values() if self._alive(s)]
             if not ranks_alive and not self._waiting and not self._unplaced and \
                     (self._world.slot_of or self._exiting):
+                self._ended = self._exiting
+                if not self._resilient:
+                    self._say_unused()  # a plain script's ranks all exited 0
                 return AttemptResult()  # every rank exited 0 after the exit barrier
 
     def _on_world_change(self) -> None:
@@ -411,6 +467,8 @@ class ResilientAgent(NodeAgent):
                 if proc.slot not in self._retired:
                     self._lost_spare(proc)
                 continue  # a retired rank leaving, or a spare: not a failure of the job
+            if not proc.hello:
+                self._say_unused()
             if proc.worker.returncode == 0 and (self._exiting or not proc.hello):
                 continue  # the normal end: after the exit barrier, or a plain script's
             failures.append(proc)
@@ -438,21 +496,36 @@ class ResilientAgent(NodeAgent):
                 raise StopJob(AttemptResult([f, *self._other_failures(f)], f), final=True)
         self._recover({r: self._world.node for r in dead_ranks}, now)
 
+    def _say_unused(self) -> None:
+        """A rank ended without ever saying hello: the script does not opt in."""
+        if not self._opted_in and not self._said_unused:
+            self._said_unused = True
+            logger.warning("--spares %s unused: a rank ended without reaching "
+                           "tp_launch.resilient.run() (a script that does not call it runs "
+                           "as under torchrun)", self.config.spares)
+
     def _lost_spare(self, proc: Proc) -> None:
+        """A spare (parked or still starting) died: report it (the first of a streak of
+        such deaths), and start its replacement when the backoff says so."""
         self._world.unpark(proc.slot)
         self._write_status()
         if self._exiting:
             return  # the job is ending: spares leave
-        if not proc.hello:
-            self._spare_failures += 1
-            if self._spare_failures >= _SPARE_FAILURES_MAX or \
-                    (not self._resilient and self._world.slot_of):
-                logger.error("a spare exited with code %s before reaching "
-                             "tp_launch.resilient.run() (see %s); going on without spares",
-                             proc.worker.returncode, proc.logs.stderr or "its stderr")
-                self._spare_failures = _SPARE_FAILURES_MAX
-                return
-        self._spawn_spare()
+        w = proc.worker
+        lifetime = (w.exit_time or time.time()) - w.started
+        delay = self._spare_restarts.died(lifetime, time.monotonic())
+        how = _exit_description(w.returncode)
+        if not self._spare_restarts.first_of_streak:
+            logger.info("spare %s (pid %s) %s; the next spare starts in %.0f s", proc.slot,
+                        w.pid, how, delay)
+        elif proc.hello:
+            logger.warning("parked spare %s (pid %s) %s; starting a new one (later, and "
+                           "later, if spares keep dying)", proc.slot, w.pid, how)
+        else:
+            logger.error("spare %s (pid %s) %s before reaching tp_launch.resilient.run(): "
+                         "%s; new spares start with a growing delay while this repeats",
+                         proc.slot, w.pid, how, _spare_error(proc.output))
+        self._spawn_missing_spares()
 
     def _rank_map(self) -> dict[int, int]:
         """slot -> rank for the summary (a spare shows as -1)."""
@@ -462,13 +535,16 @@ class ResilientAgent(NodeAgent):
     def _as_failure(self, proc: Proc) -> ProcessFailure:
         w = proc.worker
         rank = self._slot_rank(proc.slot)
-        return ProcessFailure(rank=rank if rank is not None else -1, local_rank=proc.slot,
+        return ProcessFailure(rank=rank if rank is not None else -1, local_rank=w.local_rank,
                               pid=w.pid, exitcode=w.returncode or 0, error_file=w.error_file,
                               observed=w.exit_time or time.time())
 
     def _other_failures(self, root: ProcessFailure) -> list[ProcessFailure]:
+        """The ranks' other failures, for the summary (spares are not the job's ranks:
+        one that could not start was reported when it died)."""
         return [self._as_failure(p) for p in self._procs.values()
-                if p.worker.returncode and p.worker.pid != root.pid]
+                if p.worker.returncode and p.worker.pid != root.pid
+                and self._slot_rank(p.slot) is not None]
 
     def _report(self, detail: str, final: bool) -> None:
         """Multi-node: the job stops or restarts: tell the other nodes."""
@@ -598,6 +674,8 @@ class ResilientAgent(NodeAgent):
             rec.promoted = sorted([p for p in superseded.promoted
                                    if world.slot_of.get(p["rank"]) == p["slot"]] + rec.promoted,
                                   key=lambda p: p["rank"])
+        for rank, slot in placed.promoted.items():
+            self._show_as_rank(slot, rank)
         self._recovery = rec
         self._finished.clear()
         for rank in [*placed.promoted, *placed.unplaced]:
@@ -618,13 +696,18 @@ class ResilientAgent(NodeAgent):
             if slot is None:
                 return
             rank = self._unplaced.pop(0)
+            self._show_as_rank(slot, rank)
             if self._recovery is not None:
                 self._recovery.promoted.append({"rank": rank, "slot": slot,
                                                 "pid": self._procs[slot].worker.pid})
             self._tell(slot, self._generation_msg(rank, from_slot=self._origin.get(rank)))
 
     def _spawn_missing_spares(self) -> None:
-        if self._spare_failures >= _SPARE_FAILURES_MAX:
+        """Start the spares this node lacks (the pool, plus one per rank of this node
+        that still needs a process), unless none are wanted yet or the backoff after
+        young deaths says wait."""
+        if not self._spares_wanted or self._exiting or \
+                not self._spare_restarts.ready(time.monotonic()):
             return
         pending = [p for p in self._procs.values()
                    if self._slot_rank(p.slot) is None and p.worker.returncode is None
@@ -695,9 +778,25 @@ class ResilientAgent(NodeAgent):
               f"{_s(event['rebuild_s'])}, state {event['bytes'] / 1e6:.1f} MB in "
               f"{_s(event['transfer_s'])} = {rate:.0f} MB/s), first step "
               f"{_s(event['first_step_s'])}", file=sys.stderr, flush=True)
-        if self.layout.run_dir != os.devnull and os.path.isdir(self.layout.run_dir):
-            with open(os.path.join(self.layout.run_dir, "recovery.jsonl"), "a") as f:
-                f.write(json.dumps(event) + "\n")
+        self.layout.append("recovery.jsonl", json.dumps(event) + "\n")
+
+
+def _exit_description(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            pass
+    return f"exited with code {code}"
+
+
+def _spare_error(output: SpareOutput | None) -> str:
+    """What a spare that died wrote last to stderr (its error, for a crash)."""
+    if output is None:
+        return "no output"
+    output.join(1.0)  # the exit is seen before the pipe is drained
+    line = output.last_line()[:300] or "no output"
+    return f"{line} (log: {output.stderr_path})" if output.stderr_path else line
 
 
 def _s(value: float | None) -> str:

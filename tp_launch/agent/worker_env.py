@@ -6,14 +6,19 @@ import os
 from string import Template
 
 from rendezvous.api import RendezvousInfo
+from rendezvous.etcd import PASSWORD_ENV
 from tp_launch.config import ConfigError, LaunchConfig
+
+# The agent's own secrets: a worker runs the user's script and needs none of them.
+_AGENT_ONLY = (PASSWORD_ENV,)
 
 
 def worker_env(config: LaunchConfig, info: RendezvousInfo, local_rank: int,
                restart_count: int, error_file: str) -> dict[str, str]:
-    """The full environment of one worker: the agent's, plus torchrun's variables."""
+    """The full environment of one worker: the agent's (less the etcd password), plus
+    torchrun's variables."""
     rank = info.rank_offset + local_rank
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k not in _AGENT_ONLY}
     env.update({
         "RANK": str(rank),
         "GROUP_RANK": str(info.node_rank),
@@ -79,13 +84,13 @@ def _numa_wrapped(argv: list[str], mode: str, local_rank: int) -> list[str]:
 _RANK_VARS = ("RANK", "ROLE_RANK")
 
 
-def spare_env(config: LaunchConfig, info: RendezvousInfo, slot: int, restart_count: int,
+def spare_env(config: LaunchConfig, info: RendezvousInfo, device: int, restart_count: int,
               error_file: str) -> dict[str, str]:
-    """A parked spare's environment: a worker's, with no rank, LOCAL_RANK = its slot
-    (its own device: slots past --nproc-per-node are the spare devices)."""
-    env = worker_env(config, info, slot, restart_count, error_file)
+    """A parked spare's environment: a worker's, with no rank, LOCAL_RANK = ``device``
+    (its own device: one that no live process of this node uses)."""
+    env = worker_env(config, info, device, restart_count, error_file)
     for key in _RANK_VARS:
         env.pop(key, None)
-    env["LOCAL_RANK"] = str(slot)
+    env["LOCAL_RANK"] = str(device)
     env["TP_RUN_SPARE"] = "1"
     return env

@@ -9,22 +9,39 @@ A redirected stream is written to its file only; a tee'd stream is written to it
 and a tail thread copies each line to the console with a ``[<role><local_rank>]:``
 prefix (or ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``). ``--local-ranks-filter`` hides
 other ranks from the console: their untouched streams go to /dev/null, their tee'd
-streams to the files only.
+streams to the files only. ``--log-dir /dev/null``: no files, every stream on the
+console (as torchrun), the filter applied.
+
+Resilient mode's spares write to pipes that the agent reads (:class:`SpareOutput`): each
+line goes to ``attempt_<n>/spare_<slot>/{stdout,stderr}.log``, whatever the ranks'
+streams do, since a parked spare's output (or the traceback of one that could not start)
+is not the job's; once the spare takes a rank, its lines also reach the console as that
+rank's would. The spare itself never writes to the log disk, so a full one cannot fail it.
+
+Without ``--log-dir`` the base is a temporary directory, removed when tp-run exits
+(success, failure or signal) unless the user redirected or tee'd streams into it.
+
+The log disk is not the job's: an unwritable or full disk during the run (a directory
+that cannot be made, a write that fails) is one warning line, and the streams that
+would have gone to files go to the console. Only a ``--log-dir`` that cannot be used
+at all at the start is an error (exit 2): the user asked for files there.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
 from dataclasses import dataclass, field
 from string import Template
-from typing import Callable, TextIO
+from typing import IO, Callable, TextIO
 
-from tp_launch.config import LaunchConfig, Std
+from tp_launch.config import ConfigError, LaunchConfig, Std
 
 logger = logging.getLogger(__name__)
 
@@ -50,54 +67,125 @@ class AttemptLogs:
     ranks: dict[int, RankLogs] = field(default_factory=dict)
 
 
+_write_failed_once = threading.Event()
+
+
+def log_write_failed(what: str, e: OSError) -> None:
+    """A log write failed (disk full, read-only, gone): said once per agent, at
+    WARNING; the caller goes on without that log."""
+    if _write_failed_once.is_set():
+        logger.debug("cannot write %s: %s", what, e)
+        return
+    _write_failed_once.set()
+    logger.warning("cannot write %s (%s); going on without log files where they fail",
+                   what, e.strerror or e)
+
+
 class LogLayout:
     """Creates the run's log directory once and one attempt directory per restart.
 
     Args:
         config: the launch configuration (log dir, redirects, tee, filter).
         run_id: the job id, the prefix of the run directory.
+
+    Raises:
+        ConfigError: ``--log-dir`` is a file or cannot be written.
     """
 
     def __init__(self, config: LaunchConfig, run_id: str) -> None:
         self._config = config
         self._run_id = run_id
         self._plugin = _load_logs_specs(config) if config.logs_specs else None
-        self.is_temporary = config.log_dir is None and self._plugin is None
-        self.disabled = config.log_dir == os.devnull
-        self.run_dir = os.devnull
-        if not self.disabled and self._plugin is None:
-            base = config.log_dir or tempfile.mkdtemp(prefix="torchelastic_")
-            if os.path.isfile(base):
-                raise NotADirectoryError(f"--log-dir {base} is a file")
+        self.run_dir = os.devnull  # no run directory: no files (see _console_attempt)
+        self._temp_base: str | None = None  # made here: removed by close()
+        if config.log_dir == os.devnull or self._plugin is not None:
+            return
+        base = config.log_dir
+        try:
+            if base is None:
+                base = self._temp_base = tempfile.mkdtemp(prefix="torchelastic_")
+                logger.info("log directory set to: %s", base)
+            elif os.path.isfile(base):
+                raise ConfigError(f"--log-dir {base} is a file")
             os.makedirs(base, exist_ok=True)
-            self.base_dir = base
             self.run_dir = tempfile.mkdtemp(prefix=f"{run_id}_", dir=base)
+        except OSError as e:
+            if config.log_dir is not None:
+                raise ConfigError(f"--log-dir {base}: cannot write there "
+                                  f"({e.strerror or e})") from None
+            log_write_failed("a temporary log directory", e)
+            self.close()
+            self.run_dir = os.devnull
 
     def attempt(self, restart_count: int) -> AttemptLogs:
         """Lay out (and empty) ``attempt_<restart_count>``."""
-        cfg = self._config
         if self._plugin is not None:
             return self._plugin_attempt(restart_count)
-        if self.disabled:
-            return AttemptLogs(os.devnull, {
-                r: RankLogs(os.devnull, os.devnull, None, None, "")
-                for r in range(cfg.nproc_per_node)
-            })
+        if self.run_dir == os.devnull:
+            return self._console_attempt()
         attempt_dir = os.path.join(self.run_dir, f"attempt_{restart_count}")
-        shutil.rmtree(attempt_dir, ignore_errors=True)
-        os.makedirs(attempt_dir)
-        logs = AttemptLogs(attempt_dir)
-        for r in range(cfg.nproc_per_node):
-            logs.ranks[r] = self._rank_logs(attempt_dir, str(r), r)
-        return logs
+        try:
+            shutil.rmtree(attempt_dir, ignore_errors=True)
+            os.makedirs(attempt_dir)
+            logs = AttemptLogs(attempt_dir)
+            for r in range(self._config.nproc_per_node):
+                logs.ranks[r] = self._rank_logs(attempt_dir, str(r), r)
+            return logs
+        except OSError as e:
+            log_write_failed(f"the log directory {attempt_dir}", e)
+            return self._console_attempt()
+
+    def _console_attempt(self) -> AttemptLogs:
+        """No files (``--log-dir /dev/null``, or the disk failed): every stream on the
+        console, but for the ranks ``--local-ranks-filter`` hides."""
+        shown = self._config.local_ranks_filter
+        return AttemptLogs(os.devnull, {
+            r: RankLogs(None, None, None, None, "") if not shown or r in shown
+            else RankLogs(os.devnull, os.devnull, None, None, "")
+            for r in range(self._config.nproc_per_node)
+        })
 
     def spare_logs(self, logs: AttemptLogs, slot: int) -> RankLogs:
-        """Destinations for a spare process (``attempt_<n>/spare_<slot>/``), streams
-        handled as local rank 0's; it keeps them when it is promoted into a rank."""
-        if self._plugin is not None or self.disabled or logs.attempt_dir == os.devnull:
-            rl = logs.ranks[0]
-            return RankLogs(rl.stdout and os.devnull, rl.stderr and os.devnull, None, None, "")
-        return self._rank_logs(logs.attempt_dir, f"spare_{slot}", 0)
+        """The files a spare's :class:`SpareOutput` writes: ``attempt_<n>/spare_<slot>/``,
+        whatever the ranks' streams do; none without an attempt directory."""
+        if logs.attempt_dir != os.devnull and self._plugin is None:
+            spare_dir = os.path.join(logs.attempt_dir, f"spare_{slot}")
+            try:
+                os.mkdir(spare_dir)
+                return RankLogs(os.path.join(spare_dir, "stdout.log"),
+                                os.path.join(spare_dir, "stderr.log"), None, None,
+                                os.path.join(spare_dir, "error.json"))
+            except OSError as e:
+                log_write_failed(f"the log directory {spare_dir}", e)
+        return RankLogs(None, None, None, None, "")
+
+    def console_streams(self, local_rank: int, rank: int) -> dict[str, str | None]:
+        """For a spare that takes ``local_rank``'s place as ``rank``: stream -> the
+        console prefix its lines get ("" for none), or None where that rank's stream does
+        not reach the console (redirected only, or filtered out)."""
+        cfg = self._config
+        shown = cfg.local_ranks_filter
+        out: dict[str, str | None] = {}
+        for name, std in (("stdout", Std.OUT), ("stderr", Std.ERR)):
+            tee = cfg.tee.get(local_rank, Std.NONE) & std
+            redirected = cfg.redirects.get(local_rank, Std.NONE) & std
+            if shown and local_rank not in shown or redirected and not tee:
+                out[name] = None
+            else:
+                out[name] = _prefix(cfg, local_rank, rank) if tee else ""
+        return out
+
+    def append(self, name: str, text: str) -> None:
+        """Append ``text`` to a file of the run's directory (``recovery.jsonl``); a write
+        that fails costs that record, never the job."""
+        if self.run_dir == os.devnull:
+            return
+        path = os.path.join(self.run_dir, name)
+        try:
+            with open(path, "a") as f:
+                f.write(text)
+        except OSError as e:
+            log_write_failed(path, e)
 
     def _rank_logs(self, attempt_dir: str, name: str, r: int) -> RankLogs:
         cfg = self._config
@@ -129,10 +217,14 @@ class LogLayout:
                 dest.error_files.get(r, ""))
         return logs
 
-    def remove_if_temporary(self) -> None:
-        """Drop a temporary log dir after a successful run (nothing in it is needed)."""
-        if self.is_temporary and not self.disabled:
-            shutil.rmtree(self.base_dir, ignore_errors=True)
+    def close(self) -> None:
+        """tp-run exits: drop the temporary log dir (error files, spare logs: nothing the
+        user asked for), unless streams were redirected or tee'd into it."""
+        cfg = self._config
+        asked = any(cfg.redirects.values()) or any(cfg.tee.values())
+        if self._temp_base is not None and not asked:
+            shutil.rmtree(self._temp_base, ignore_errors=True)
+            self._temp_base = None
 
 
 class ConsoleTail:
@@ -158,18 +250,16 @@ class ConsoleTail:
             for r, path in files.items():
                 self._start(path, console, prefixes[r], None)
             if filters and not logs.attempt_dir == os.devnull:
-                dup = open(os.path.join(logs.attempt_dir, filtered_name), "w",  # noqa: SIM115
-                           errors="replace", buffering=1)
+                dup_path = os.path.join(logs.attempt_dir, filtered_name)
+                try:
+                    dup = open(dup_path, "w", errors="replace", buffering=1)  # noqa: SIM115
+                except OSError as e:
+                    log_write_failed(dup_path, e)
+                    continue
                 self._files.append(dup)
                 for r, path in files.items():
                     self._start(path, dup, prefixes[r],
                                 lambda line, f=filters: any(n in line for n in f))
-
-    def add(self, rl: RankLogs, name: str) -> None:
-        """Also copy a process started later (a spare) to the console, as ``[<name>]:``."""
-        for path, console in ((rl.tee_stdout, sys.stdout), (rl.tee_stderr, sys.stderr)):
-            if path:
-                self._start(path, console, f"[{name}]:", None)
 
     def _start(self, path: str, dst: TextIO, prefix: str,
                keep: Callable[[str], bool] | None) -> None:
@@ -227,9 +317,88 @@ def _tail(path: str, dst: TextIO, prefix: str, keep: Callable[[str], bool] | Non
             line = fp.readline()
             if line:
                 if keep is None or keep(line):
-                    dst.write(f"{prefix}{line}")
-                    dst.flush()
+                    try:
+                        dst.write(f"{prefix}{line}")
+                        dst.flush()
+                    except (OSError, ValueError) as e:  # a full disk, a closed console
+                        if isinstance(e, OSError):
+                            log_write_failed(getattr(dst, "name", "the console"), e)
+                        return
             elif finished.is_set():
                 return
             else:
                 finished.wait(_TAIL_INTERVAL)
+
+
+class SpareOutput:
+    """A spare's stdout and stderr, read by the agent from pipes (see the module
+    docstring): every line to the spare's log file (best effort), to the console once
+    :meth:`show` says how (the spare took a rank), and stderr's last lines kept for the
+    report of a spare that died before parking.
+
+    Args:
+        popen: the spare, started with both streams piped.
+        rl: its log files (None: none).
+    """
+
+    def __init__(self, popen: subprocess.Popen, rl: RankLogs) -> None:
+        self._console: dict[str, str | None] = {"stdout": None, "stderr": None}
+        self._stderr_tail: collections.deque[str] = collections.deque(maxlen=20)
+        self.stderr_path = rl.stderr
+        self._threads = [
+            threading.Thread(target=self._pump, args=(name, pipe, path, console),
+                             name=f"tp-spare-{name}-{popen.pid}", daemon=True)
+            for name, pipe, path, console in (("stdout", popen.stdout, rl.stdout, sys.stdout),
+                                              ("stderr", popen.stderr, rl.stderr, sys.stderr))
+        ]
+        for t in self._threads:
+            t.start()
+
+    def show(self, streams: dict[str, str | None]) -> None:
+        """From now on, lines also go to the console with these prefixes (from
+        :meth:`LogLayout.console_streams`; None: not shown)."""
+        self._console = dict(streams)
+
+    def last_line(self) -> str:
+        """The last non-empty line the spare wrote to stderr ("" if none)."""
+        return next((ln.strip() for ln in reversed(self._stderr_tail) if ln.strip()), "")
+
+    def join(self, timeout: float) -> None:
+        """Wait (bounded) until everything the exited spare wrote has been passed on."""
+        for t in self._threads:
+            t.join(timeout)
+
+    def _pump(self, name: str, pipe: IO[bytes], path: str | None, console: TextIO) -> None:
+        f: TextIO | None = None
+        if path:
+            try:
+                f = open(path, "w", errors="replace", buffering=1)  # noqa: SIM115
+            except OSError as e:
+                log_write_failed(path, e)
+        with pipe:
+            for raw in iter(pipe.readline, b""):
+                line = raw.decode(errors="replace")
+                if name == "stderr":
+                    self._stderr_tail.append(line)
+                if f is not None:
+                    try:
+                        f.write(line)
+                    except OSError as e:  # a full log disk: the file stops, not the spare
+                        log_write_failed(path or "", e)
+                        f = _close_quietly(f)
+                prefix = self._console[name]
+                if prefix is not None:
+                    try:
+                        console.write(prefix + line)
+                        console.flush()
+                    except (OSError, ValueError):
+                        pass
+        _close_quietly(f)
+
+
+def _close_quietly(f: TextIO | None) -> None:
+    if f is not None:
+        try:
+            f.close()
+        except OSError:
+            pass  # its buffer cannot be written either

@@ -19,9 +19,10 @@ import os
 import signal
 import subprocess
 import time
-from typing import IO
+from typing import IO, Any
 
 from tp_launch.procs.guardian import GUARDIAN
+from tp_launch.procs.logs import log_write_failed
 
 logger = logging.getLogger(__name__)
 
@@ -46,15 +47,19 @@ class WorkerProcess:
         env: the complete environment.
         stdout, stderr: file paths for the streams; None inherits the agent's console.
         local_rank: the worker's local rank (for messages).
+        piped: both streams go to pipes the agent reads (``popen.stdout``/``stderr``)
+            instead; ``stdout``/``stderr`` are then ignored.
     """
 
     def __init__(self, argv: list[str], env: dict[str, str], stdout: str | None,
-                 stderr: str | None, local_rank: int) -> None:
+                 stderr: str | None, local_rank: int, piped: bool = False) -> None:
         self.local_rank = local_rank
         self.error_file = env.get("TORCHELASTIC_ERROR_FILE", "")
         self._files: list[IO] = []
-        out = self._open(stdout)
-        err = self._open(stderr)
+        out: Any = subprocess.PIPE
+        err: Any = subprocess.PIPE
+        if not piped:
+            out, err = self._open(stdout), self._open(stderr)
         agent_pid = os.getpid()
         self.popen = subprocess.Popen(
             argv,
@@ -70,9 +75,15 @@ class WorkerProcess:
         self.pidfd = os.pidfd_open(self.pid)
 
     def _open(self, path: str | None) -> IO | None:
+        """The stream's log file; the console (None) if it cannot be made (a full or
+        read-only log disk costs the file, not the worker)."""
         if path is None:
             return None
-        f = open(path, "w")  # noqa: SIM115 - closed in close()
+        try:
+            f = open(path, "w")  # noqa: SIM115 - closed in close()
+        except OSError as e:
+            log_write_failed(path, e)
+            return None
         self._files.append(f)
         return f
 
@@ -102,15 +113,18 @@ class WorkerProcess:
             self.pidfd = -1
 
 
-def stop_workers(workers: list[WorkerProcess], sig: int, timeout: float) -> None:
+def stop_workers(workers: list[WorkerProcess], sig: int, timeout: float,
+                 level: int = logging.WARNING) -> None:
     """Send ``sig`` to every live worker's group, wait up to ``timeout``, then SIGKILL.
 
-    On return every worker is reaped and no process of their groups is left.
+    On return every worker is reaped and no process of their groups is left. ``level``:
+    of the "closing signal" lines (torchrun's WARNING; INFO for a normal end).
     """
     live = [w for w in workers if w.returncode is None]
     for w in live:
         if sig != signal.SIGKILL:
-            logger.warning("Sending process %s closing signal %s", w.pid, signal.Signals(sig).name)
+            logger.log(level, "Sending process %s closing signal %s", w.pid,
+                       signal.Signals(sig).name)
         w.signal_group(sig)
     deadline = time.monotonic() + timeout
     for w in live:
