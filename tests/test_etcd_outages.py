@@ -1,0 +1,305 @@
+"""etcd outages: the rendezvous backend SIGKILLed and restarted (same port, same data
+directory) while a job runs. Nothing that does not need etcd stops; what needs it waits
+for it, up to ``--rdzv-conf outage_timeout``; past that, one clear line.
+
+Each test has an etcd of its own (``etcd``), since the tests kill it. The first part
+drives the membership protocol directly (members are threads with their own clients);
+the second runs real 2-node jobs (two tp-run agents on 127.0.0.2/3, real gloo, real
+SIGKILLs) in compatible and resilient mode, with and without a rank failure during the
+outage, and compares the result with torchrun's failure-free run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from rendezvous.api import RendezvousError
+from rendezvous.kv import KVError, KVUnavailable
+from rendezvous.membership import CHANGE_FAILURE, CHANGE_LOST, Membership, Timeouts
+from tests.conftest import HANG_TIMEOUT
+from tests.etcd_server import EtcdServer
+from tests.test_rendezvous import FAST, close_all, crash, join_all, wait_change
+
+HANG = 60.0
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
+    """An etcd of this test's own (the test kills and restarts it)."""
+    directory = tmp_path / "etcd"
+    directory.mkdir()
+    with EtcdServer(directory) as server:
+        yield server
+
+
+def kv_for(etcd: EtcdServer):
+    from rendezvous.etcd import EtcdKV
+
+    return EtcdKV("127.0.0.1", etcd.port, timeout=5, connect_timeout=10)
+
+
+def members(etcd: EtcdServer, n: int, **t) -> list[Membership]:
+    rid = f"job-{uuid.uuid4().hex[:8]}"
+    return [Membership(kv_for(etcd), "/tp-test", rid, n, n, f"127.0.0.{i + 1}",
+                       Timeouts(**{**FAST, **t}), safety_poll=0.3) for i in range(n)]
+
+
+def in_thread(fn) -> tuple[threading.Thread, dict]:
+    """Run ``fn()`` in a thread; its result or exception lands in the dict."""
+    out: dict = {}
+
+    def go() -> None:
+        try:
+            out["result"] = fn()
+        except Exception as e:  # noqa: BLE001 - inspected by the test
+            out["error"] = e
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    return t, out
+
+
+# ---------------------------------------------------------------- the etcd client
+
+
+def test_client_reports_an_outage_and_its_watch_survives_it(etcd):
+    """While etcd is down a request raises KVUnavailable (not a refusal) and the
+    client says since when; after the restart requests work again, and a watch made
+    before the outage sees changes made after it."""
+    kv, writer = kv_for(etcd), kv_for(etcd)
+    seen = threading.Event()
+    try:
+        kv.put("/w/a", "1")
+        cancel = kv.watch_prefix("/w/", seen.set)
+        etcd.kill()
+        with pytest.raises(KVUnavailable):
+            kv.get("/w/a")
+        assert kv.outage_since is not None
+        etcd.restart()
+        deadline = time.monotonic() + HANG
+        while True:
+            try:
+                assert kv.get("/w/a")[0] == "1"
+                break
+            except KVUnavailable:
+                assert time.monotonic() < deadline, "etcd did not come back"
+                time.sleep(0.2)
+        assert kv.outage_since is None
+        time.sleep(2.0)  # the watch is armed again in the background
+        seen.clear()
+        writer.put("/w/b", "2")
+        assert seen.wait(15), "the watch did not survive the restart"
+        cancel()
+    finally:
+        kv.close()
+        writer.close()
+
+
+def test_refusals_are_not_outages(etcd):
+    """An answer from etcd that says no (here: a put on a lease that does not exist)
+    is a plain KVError: nothing waits for it to go away."""
+    kv = kv_for(etcd)
+    try:
+        with pytest.raises(KVError) as info:
+            kv.put("/r/a", "1", lease=123456789)
+        assert not isinstance(info.value, KVUnavailable)
+        assert kv.outage_since is None
+    finally:
+        kv.close()
+
+
+def test_restart_with_authentication(tmp_path):
+    """With authentication on, the client keeps working across an etcd restart (it
+    logs in again if etcd forgot its token)."""
+    from rendezvous.etcd import EtcdKV
+
+    directory = tmp_path / "etcd"
+    directory.mkdir()
+    with EtcdServer(directory, root_password="secret-pw") as server:
+        kv = EtcdKV("127.0.0.1", server.port, timeout=5, connect_timeout=10,
+                    user="root", password="secret-pw")
+        try:
+            kv.put("/a/k", "1")
+            kv._client.metadata = (("token", "forgotten.1"),)  # as after a restart
+            assert kv.get("/a/k")[0] == "1"
+            server.kill()
+            server.restart()
+            deadline = time.monotonic() + HANG
+            while True:
+                try:
+                    assert kv.get("/a/k")[0] == "1"
+                    break
+                except KVUnavailable:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.2)
+        finally:
+            kv.close()
+
+
+# ---------------------------------------------------------------- the protocol
+
+
+def test_outage_longer_than_the_lease_loses_nobody(etcd):
+    """etcd down for three lease TTLs, then back: no member counts another lost (etcd
+    gives every lease its full TTL again), the world is unchanged, and the monitors
+    still see a real loss afterwards, through watches armed again (the monitor's own
+    poll is 30 s, the wait here 15 s)."""
+    ms = members(etcd, 2)
+    try:
+        join_all(ms)
+        for m in ms:
+            m.start_monitor()
+        etcd.kill()
+        time.sleep(3 * FAST["lease_ttl"])
+        etcd.restart()
+        time.sleep(3 * FAST["lease_ttl"])
+        assert [m.world_change() for m in ms] == [None, None]
+        assert ms[0].alive_members() == {m.id for m in ms}
+        crash(ms[1])
+        change = wait_change(ms[0], timeout=15)
+        assert change.kind == CHANGE_LOST and ms[1].id in change.detail
+    finally:
+        close_all(ms)
+
+
+def test_join_waits_for_the_backend(etcd):
+    """Members that join while etcd is down wait for it and form their world when it
+    is back."""
+    ms = members(etcd, 2)
+    try:
+        etcd.kill()
+        threads = [in_thread(lambda m=m: m.join(1)) for m in ms]
+        time.sleep(3.0)
+        assert all(t.is_alive() for t, _ in threads)
+        etcd.restart()
+        for t, out in threads:
+            t.join(HANG)
+            assert not t.is_alive() and "error" not in out, out
+        assert {len(out["result"].participants) for _, out in threads} == {2}
+    finally:
+        close_all(ms)
+
+
+def test_join_gives_up_after_outage_timeout(etcd):
+    """etcd never comes back: the join ends with one error naming outage_timeout."""
+    ms = members(etcd, 2, outage_timeout=2)
+    try:
+        join_all(ms)
+        etcd.kill()
+        t, out = in_thread(lambda: ms[0].join(1))
+        t.join(HANG)
+        assert not t.is_alive()
+        error = out.get("error")
+        assert isinstance(error, RendezvousError), out
+        assert "outage_timeout=2s" in str(error) and "\n" not in str(error)
+    finally:
+        etcd.restart()
+        close_all(ms)
+
+
+def test_failure_report_waits_for_the_backend(etcd):
+    """A failure reported while etcd is down is not lost: the member's next join
+    delivers it first, and the other member sees a counted failure with its detail."""
+    ms = members(etcd, 2)
+    try:
+        join_all(ms)
+        ms[1].start_monitor()
+        etcd.kill()
+        assert not ms[0].report_failure("rank 0 exited with 3")
+        t, out = in_thread(lambda: ms[0].join(1))
+        time.sleep(2.0)
+        etcd.restart()
+        change = wait_change(ms[1])
+        assert change.kind == CHANGE_FAILURE and "rank 0 exited with 3" in change.detail
+        join_all(ms[1:])
+        t.join(HANG)
+        assert "error" not in out, out
+    finally:
+        close_all(ms)
+
+
+def test_final_failure_report_is_delivered_on_close(etcd):
+    """A member that stops (no restart left) during an outage waits in close() for
+    etcd, so that the others hear of it, and stop too."""
+    ms = members(etcd, 2)
+    try:
+        join_all(ms)
+        ms[1].start_monitor()
+        etcd.kill()
+        ms[0].report_failure("crash loop", final=True)
+        t, _ = in_thread(ms[0].close)
+        time.sleep(2.0)
+        assert t.is_alive()  # waiting for etcd
+        etcd.restart()
+        t.join(HANG)
+        assert not t.is_alive()
+        change = wait_change(ms[1])
+        assert change.kind == CHANGE_FAILURE and "crash loop" in change.detail
+        state, _ = ms[1].read_state()
+        assert state["final"] is True
+    finally:
+        close_all(ms)
+
+
+def test_expired_lease_is_renewed_with_its_keys(etcd):
+    """A member whose lease expired while etcd ran (cut off on its own for longer than
+    the TTL; here: its lease revoked behind its back) takes a new lease and puts its
+    liveness key and parked-spare count back under it; its own world is not broken."""
+    ms = members(etcd, 2)
+    other = kv_for(etcd)
+    try:
+        join_all(ms)
+        ms[0].set_parked(2)
+        old = ms[0]._lease
+        other.lease_revoke(old)
+        deadline = time.monotonic() + HANG
+        while ms[0]._lease == old or ms[0].id not in ms[1].alive_members() or \
+                ms[1].parked_counts().get(ms[0].id) != 2:
+            assert time.monotonic() < deadline, "the lease was not renewed"
+            time.sleep(0.1)
+        assert ms[0].broken is None
+        assert ms[0].check_world(ms[0].world) is None
+    finally:
+        other.close()
+        close_all(ms)
+
+
+def test_a_dead_c10d_host_is_not_waited_for(workdir):
+    """c10d keeps its state in the hosting agent's memory: once that is gone nothing
+    can come back, so its errors are refusals, not outages, and the members' worlds
+    end as before (no waiting for outage_timeout)."""
+    from rendezvous.c10d import C10dKV
+    from tests.etcd_server import free_port
+
+    port = free_port()
+    host = C10dKV("127.0.0.1", port, is_host=True, timeout=10, poll_interval=0.2)
+    rid = f"job-{uuid.uuid4().hex[:8]}"
+    ms = [Membership(C10dKV("127.0.0.1", port, is_host=False, timeout=10, poll_interval=0.2),
+                     "/tp-test", rid, 2, 2, f"127.0.0.{i + 1}", Timeouts(**FAST),
+                     safety_poll=0.3) for i in range(2)]
+    try:
+        join_all(ms)
+        for m in ms:
+            m.start_monitor()
+        host.close()
+        for m in ms:
+            change = wait_change(m, timeout=30)
+            assert change.kind == CHANGE_LOST and "failed" in change.detail
+        with pytest.raises(KVError) as info:
+            ms[0].read_state()
+        assert not isinstance(info.value, KVUnavailable)
+    finally:
+        close_all(ms)
+        host.close()
