@@ -51,7 +51,7 @@ class C10dKV(KV):
     def __init__(self, host: str, port: int, *, is_host: bool | None = None,
                  timeout: float = 60.0, namespace: str = "/tp-run",
                  poll_interval: float = 0.5) -> None:
-        _import_torch_quietly()
+        import_torch_quietly()
         from torch.distributed import TCPStore
 
         from rendezvous.store_host import StoreHost
@@ -205,7 +205,7 @@ class C10dKV(KV):
         return self._server is not None
 
 
-def _import_torch_quietly() -> None:
+def import_torch_quietly() -> None:
     """Import torch with its C++ log level at FATAL, if it is not imported yet.
 
     A TCPStore client whose server is gone (a c10d host that died, or not there yet)

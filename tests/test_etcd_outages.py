@@ -303,3 +303,133 @@ def test_a_dead_c10d_host_is_not_waited_for(workdir):
     finally:
         close_all(ms)
         host.close()
+
+
+# ---------------------------------------------------------------- real 2-node jobs
+
+from tests.test_resilient import (  # noqa: E402
+    RDZV_CONF,
+    STEPS,
+    _parked,
+    _wait,
+    all_held,
+    entries,
+    exits,
+    finals,
+    node_job,
+    reference,  # noqa: F401 - a fixture
+)
+
+
+def first_pids(out: Path) -> dict[int, int]:
+    """rank -> the pid that first trained it."""
+    return {e[0][0]: pid for pid, e in entries(out).items() if e[0][1] == 0}
+
+
+def error_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("tp-run: error:")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("outage", [10, 40])
+@pytest.mark.parametrize("failure", [False, True], ids=["no-failure", "rank-failure"])
+@pytest.mark.parametrize("mode", ["compatible", "resilient"])
+def test_job_rides_out_an_etcd_restart(workdir, test_env, reference, etcd, mode, failure,
+                                       outage):
+    """2 nodes x 2 ranks over etcd (lease TTL 3 s). Mid-run, etcd is SIGKILLed and
+    restarted ``outage`` seconds later on the same port and data directory; training
+    goes on meanwhile (and ends during the outage: the exit barrier waits for etcd).
+    With ``failure``, rank 2 is SIGKILLed right after etcd: in resilient mode its
+    node's spare takes it once the generation can be published (the survivors keep
+    their processes); in compatible mode every node restarts its workers (counted,
+    --max-restarts 1) once etcd is back. Every agent exits 0 and the result equals
+    torchrun's failure-free run."""
+    resilient = mode == "resilient"
+    args = ("--spares", "1") if resilient else ("--max-restarts", "1")
+    script = ("--hold-at", "8", "--step-sleep", f"{outage / 20:g}")
+    if not resilient:
+        script += ("--no-resilient",)
+    with node_job(workdir, test_env, etcd) as (start, agents, out):
+        for node in range(2):
+            start(node, "--nnodes", "2", *args, script_args=script)
+        _wait(lambda: all_held(out), "4 ranks train")
+        if resilient:
+            _wait(lambda: all(_parked(a) >= 1 for a in agents), "every node parks a spare")
+        pids = first_pids(out)
+        etcd.kill()
+        down = time.monotonic()
+        if failure:
+            os.kill(pids[2], signal.SIGKILL)
+        (out / "release").touch()
+        time.sleep(max(0.0, down + outage - time.monotonic()))
+        etcd.restart()
+        results = exits(agents)
+    for rc, err in results:
+        assert rc == 0, err[-4000:]
+        assert not error_lines(err), err[-4000:]
+    final = finals(out)
+    assert {r["checksum"] for r in final} == {reference}
+    assert all(r["step"] == STEPS for r in final)
+    errs = "".join(err for _, err in results)
+    if resilient:
+        for rank in range(4):
+            if failure and rank == 2:
+                assert final[2]["pid"] != pids[2]
+            else:
+                assert final[rank]["pid"] == pids[rank], (rank, final, pids)
+        assert ("tp-run: failure: rank(s) [2]" in errs) == failure
+    else:
+        assert errs.count("will restart worker group") == (2 if failure else 0), errs[-4000:]
+    assert "lease expired" not in errs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["compatible", "resilient"])
+def test_rank_failure_while_etcd_stays_down_no_node_exits_0(workdir, test_env, etcd, mode):
+    """2 nodes x 1 rank. etcd is SIGKILLed for good, then rank 1 is SIGKILLed: its
+    recovery (resilient: the generation for its spare; compatible: the restart)
+    needs etcd; so does the other node's, once its rank has given up on the dead
+    peer. After outage_timeout (15 s) each node stops with one error line and exits 1:
+    no node takes a failure it could not recover for a success."""
+    conf = RDZV_CONF + ",outage_timeout=15"
+    args = ("--spares", "1") if mode == "resilient" else ("--max-restarts", "1")
+    script = ("--hold-at", "8") + (() if mode == "resilient" else ("--no-resilient",))
+    with node_job(workdir, test_env, etcd) as (start, agents, out):
+        for node in range(2):
+            start(node, "--nnodes", "2", "--nproc-per-node", "1", *args, conf=conf,
+                  script_args=script)
+        _wait(lambda: all((out / f"held_{r}").exists() for r in range(2)), "2 ranks train")
+        if mode == "resilient":
+            _wait(lambda: all(_parked(a) >= 1 for a in agents), "every node parks a spare")
+        pids = first_pids(out)
+        etcd.kill()
+        os.kill(pids[1], signal.SIGKILL)
+        (out / "release").touch()
+        results = exits(agents)
+    for rc, err in results:
+        assert rc == 1, err[-4000:]
+        lines = error_lines(err)
+        assert len(lines) == 1 and "outage_timeout=15s" in lines[0], err[-4000:]
+
+
+@pytest.mark.slow
+def test_training_that_ends_while_etcd_stays_down(workdir, test_env, reference, etcd):
+    """Resilient, etcd SIGKILLed for good mid-run and no failure: training goes on and
+    ends; the exit barrier cannot be passed through etcd, so after outage_timeout each
+    node lets its finished ranks exit (every rank took part in the last step) with one
+    warning, and the job ends as a success with torchrun's result, instead of idling
+    for ever."""
+    conf = RDZV_CONF + ",outage_timeout=10"
+    with node_job(workdir, test_env, etcd) as (start, agents, out):
+        for node in range(2):
+            start(node, "--nnodes", "2", "--spares", "1", conf=conf,
+                  script_args=("--hold-at", "8", "--step-sleep", "0.2"))
+        _wait(lambda: all_held(out), "4 ranks train")
+        etcd.kill()
+        (out / "release").touch()
+        results = exits(agents)
+    for rc, err in results:
+        assert rc == 0, err[-4000:]
+        assert "they exit without waiting for the other nodes" in err
+    final = finals(out)
+    assert {r["checksum"] for r in final} == {reference}
