@@ -2,8 +2,16 @@
 
 As torchrun's c10d rendezvous: the store runs on the endpoint host (port 29400 if the
 endpoint has none), hosted by the agent that can bind it (``is_host`` forces the choice),
-and every agent, the host included, talks to it as a client with ``read_timeout``. It
-does not survive losing the hosting agent (use etcd for that).
+and every agent, the host included, talks to it as a client with ``read_timeout``.
+
+What c10d cannot survive: the rendezvous state lives in the hosting agent's memory, so
+losing that agent loses it for good. Its errors are therefore refusals
+(:class:`~rendezvous.kv.KVError`), never outages (:class:`~rendezvous.kv.KVUnavailable`):
+nothing waits ``outage_timeout`` for a store that cannot come back, and the other agents
+stop (one error line) as soon as they notice. A host that is only frozen (stopped,
+swapping) blocks every other agent's requests until it runs again (a TCPStore request
+has no deadline of its own); heartbeats that went stale meanwhile may then count nodes
+lost. Use etcd for jobs that must ride out the rendezvous backend's outages.
 
 A TCPStore has no revisions, leases or watches, so they are emulated:
 

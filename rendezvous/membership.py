@@ -58,6 +58,35 @@ to the agent through a pipe it can ``select`` on. Every write that changes the s
 a compare-and-swap against the version read, and every round-scoped write checks the
 round, so a stale agent from an old round cannot change the current one.
 
+Outages
+-------
+The backend unreachable (:class:`~rendezvous.kv.KVUnavailable`: etcd restarting, a
+leader election, a rolling upgrade, the network) is evidence of nothing: nobody can
+observe anyone meanwhile, so nothing is concluded from it.
+
+- Leases: a keep-alive that cannot reach the backend is retried every second; the lease
+  is not given up. etcd keeps leases across a restart and gives each its full TTL again
+  when a leader takes over, so nobody is counted lost because etcd was down. A lease that
+  did expire (this member alone was cut off for longer than the TTL while the others
+  could see the backend) is replaced by a new one carrying the same keys (liveness,
+  parked count: the keys put with :meth:`Membership._put_leased`); if the others acted
+  meanwhile (a new round, a generation without this node), the state says so, and this
+  member follows it as it follows any change. Only a backend that *refuses* the
+  keep-alive ``keep_alive_max_attempt`` times breaks the member's world.
+- A running world is not changed by an outage: the monitor keeps looking. Watches break
+  with the connection; the backend arms them again and they fire once when it is back
+  (the events of the gap are lost: everyone looks again).
+- What needs the backend waits for it: a join (hence a restart), a failure report
+  (:meth:`Membership.report_failure` keeps it; the next join, or :meth:`Membership.close`,
+  delivers it unless its round has moved on), the exit barrier, the round's store key,
+  and, in resilient mode, the next generation's compare-and-swap
+  (:mod:`tp_launch.agent.resilient_agent`). Every such wait ends ``outage_timeout``
+  (default 300 s) after the first request that found the backend unreachable, with one
+  :class:`RendezvousError` line (the exit barrier, whose member's workers succeeded,
+  just stops waiting). A world that needs nothing goes on, however long the outage.
+- Refusals (any other :class:`~rendezvous.kv.KVError`: bad credentials, a c10d store
+  whose host died) are not outages and fail as before.
+
 Time: the close deadline is measured by the opener's own monotonic clock; the only
 wall-clock value (join time) just orders members.
 """
@@ -236,17 +265,18 @@ class Membership:
     def _ensure_alive(self, local_world_size: int) -> None:
         """Grant the lease and put the liveness key (the first time; the keep-alive
         thread renews both when the lease expires)."""
-        if self._lease is not None and local_world_size == self._local_world_size:
+        if self._lease is not None and local_world_size == self._local_world_size and \
+                self._alive_key(self.id) in self._leased and not self._leased_dirty:
             return
         self._local_world_size = local_world_size
         if self._lease is None:
             self._lease = self.kv.lease_grant(self.t.lease_ttl)
             self._lease_epoch += 1
-        self._put_leased(self._alive_key(self.id), json.dumps(self._me().to_json()))
         if self._keepalive is None:
             self._keepalive = threading.Thread(target=self._keep_alive, name="tp-rdzv-keepalive",
                                                daemon=True)
             self._keepalive.start()
+        self._put_leased(self._alive_key(self.id), json.dumps(self._me().to_json()))
         if not self._cancels:
             # Only the state: watching every member's liveness key while joining would
             # wake each member once per joiner. The running world watches them (monitor).
@@ -321,14 +351,20 @@ class Membership:
         logger.warning("this node's rendezvous lease had expired (cut off from the backend "
                        "for longer than lease_ttl=%gs); it holds a new one with the same keys",
                        self.t.lease_ttl)
-        self._wake.set()
-        self.poke()
+        self._look_again()
 
     def _break(self, reason: str) -> None:
         logger.error("rendezvous: %s", reason)
         self._broken = reason
+        self._look_again()
+
+    def _look_again(self) -> None:
+        """Make the monitor (compatible mode) or the agent (resilient mode: it watches
+        changes and drains :attr:`fd`) read the world again. Compatible mode's agent
+        does not drain :attr:`fd`: only real changes may make it readable there."""
         self._wake.set()
-        self.poke()
+        if self._change_watches:
+            self.poke()
 
     # ------------------------------------------------------------------ outages
 
@@ -355,8 +391,7 @@ class Membership:
             logger.warning("the rendezvous backend is reachable again (after %.0fs)",
                            time.monotonic() - self._outage_logged)
             self._outage_logged = None
-            self._wake.set()  # the watches missed the outage's events: look again
-            self.poke()
+            self._look_again()  # the watches missed the outage's events
 
     def _wait_for_backend(self, e: KVError) -> None:
         """Between two tries of something that needs the backend; RendezvousError once

@@ -26,6 +26,22 @@ generation change with a boundary step and a handoff from R to the spare.
 
 Each recovery is one JSON line in ``<run log dir>/recovery.jsonl`` and one line on the
 console (multi-node: on every node, with that node's ranks' timings).
+
+Multi-node, with the rendezvous backend unreachable (an etcd restart: see
+:mod:`rendezvous.membership`, "Outages"): the workers keep running and nothing is
+concluded. What a node can do alone it does (a dead parked spare is replaced). A rank
+that dies needs the other nodes (every rank rebuilds the group in the new generation,
+and they hear of it only through the backend), and a generation exists only once its
+compare-and-swap succeeded: announcing g+1 to this node's ranks before that could let
+two nodes announce two different g+1. So the decision is deferred (:meth:`ResilientAgent._defer`:
+a publish that could not reach the backend is never taken for another node's win), this
+node's surviving ranks are told to wait, and the generation goes out when the backend
+answers; if another node published first meanwhile, its generation is applied, which
+gives this node's dead ranks this node's spares. Past ``outage_timeout`` a deferred
+recovery ends the job with one error line (exit 1). Ranks that all finished training
+are let go past ``outage_timeout`` (every rank took part in the last step's collectives).
+A rank gone before the exit barrier is never a success: the agent exits 0 only after the
+barrier (or when a plain script's ranks all exited 0).
 """
 
 from __future__ import annotations
