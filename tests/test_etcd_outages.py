@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import select
 import signal
+import subprocess
 import threading
 import time
 import uuid
@@ -284,6 +285,58 @@ def test_expired_lease_is_renewed_with_its_keys(etcd):
     finally:
         other.close()
         close_all(ms)
+
+
+def test_a_frozen_c10d_host_loses_nobody(tmp_path):
+    """The c10d store's host frozen (SIGSTOP: as a swapping or cut-off machine) for three
+    lease TTLs: every member's requests block meanwhile and every heartbeat goes stale,
+    but that is no evidence against anyone: once the host serves again nobody is counted
+    lost and the world is unchanged; a real loss afterwards is still seen."""
+    import sys
+
+    from rendezvous.c10d import C10dKV
+    from tests.etcd_server import free_port
+
+    port = free_port()
+    host = subprocess.Popen(
+        [sys.executable, "-c", "import datetime, time\n"
+         "from torch.distributed import TCPStore\n"
+         f"s = TCPStore('127.0.0.1', {port}, is_master=True, wait_for_workers=False, "
+         "timeout=datetime.timedelta(seconds=60))\n"
+         "open(__import__('sys').argv[1], 'w').close()\n"
+         "time.sleep(600)\n", str(tmp_path / "serving")],
+        env={**os.environ, "TORCH_CPP_LOG_LEVEL": "FATAL"}, stdin=subprocess.DEVNULL)
+    rid = f"job-{uuid.uuid4().hex[:8]}"
+    ms: list[Membership] = []
+    try:
+        deadline = time.monotonic() + HANG
+        while not (tmp_path / "serving").exists():
+            assert time.monotonic() < deadline and host.poll() is None, "no TCPStore"
+            time.sleep(0.1)
+        ms = [Membership(C10dKV("127.0.0.1", port, is_host=False, timeout=10,
+                                poll_interval=0.2),
+                         "/tp-test", rid, 2, 2, f"127.0.0.{i + 1}", Timeouts(**FAST),
+                         safety_poll=0.3) for i in range(2)]
+        join_all(ms)
+        for m in ms:
+            m.start_monitor()
+        # The resume comes from another process: a member blocked in list_keys holds
+        # this process's GIL for as long as the host is stopped.
+        resume = subprocess.Popen(["sh", "-c", f"sleep {3 * FAST['lease_ttl']}; "
+                                   f"kill -CONT {host.pid}"], stdin=subprocess.DEVNULL)
+        host.send_signal(signal.SIGSTOP)
+        resume.wait()
+        time.sleep(2 * FAST["lease_ttl"])
+        assert [m.world_change() for m in ms] == [None, None]
+        assert ms[0].alive_members() == {m.id for m in ms}
+        crash(ms[1])
+        change = wait_change(ms[0], timeout=30)
+        assert change.kind == CHANGE_LOST and ms[1].id in change.detail
+    finally:
+        host.send_signal(signal.SIGCONT)
+        close_all(ms)
+        host.kill()
+        host.wait()
 
 
 def test_a_dead_c10d_host_is_not_waited_for(workdir):
