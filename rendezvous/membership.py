@@ -815,7 +815,8 @@ class Membership:
                     logger.warning("rendezvous exit barrier: %s", e)
                     return None
                 if time.monotonic() > deadline:
-                    logger.warning("exit barrier timed out after %ss; %s", self.t.exit_barrier_timeout,
+                    logger.warning("exit barrier timed out after %ss; %s",
+                                   self.t.exit_barrier_timeout,
                                    "the rendezvous backend is unreachable" if not marked
                                    else f"{len(ids - done)} node(s) not done")
                     return None

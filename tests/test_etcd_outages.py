@@ -394,6 +394,24 @@ def test_job_rides_out_an_etcd_restart(workdir, test_env, reference, etcd, mode,
     their processes); in compatible mode every node restarts its workers (counted,
     --max-restarts 1) once etcd is back. Every agent exits 0 and the result equals
     torchrun's failure-free run."""
+    ride_out(workdir, test_env, reference, etcd, mode, failure, outage)
+
+
+@pytest.mark.slow
+def test_rank_failure_during_an_outage_longer_than_the_ranks_wait(workdir, test_env,
+                                                                  reference, etcd):
+    """Resilient, rank 2 SIGKILLed while etcd is down for 75 s: the other node's ranks
+    wait 60 s for the new generation (the worker's limit), then fail with an error, both
+    at the same step. That is the outage's doing, not a crash loop: once etcd is back
+    they are replaced too (by spares, one spawned anew), the state comes from rank 3,
+    and the job ends with torchrun's result."""
+    ride_out(workdir, test_env, reference, etcd, "resilient", True, 75, keep_pids=False)
+
+
+def ride_out(workdir: Path, test_env: dict[str, str], reference: str, etcd: EtcdServer,
+             mode: str, failure: bool, outage: float, keep_pids: bool = True) -> None:
+    """The scenario of test_job_rides_out_an_etcd_restart; ``keep_pids``: the ranks that
+    did not fail keep their processes (else only rank 2's node-mate, rank 3)."""
     resilient = mode == "resilient"
     args = ("--spares", "1") if resilient else ("--max-restarts", "1")
     script = ("--hold-at", "8", "--step-sleep", f"{outage / 20:g}")
@@ -425,7 +443,7 @@ def test_job_rides_out_an_etcd_restart(workdir, test_env, reference, etcd, mode,
         for rank in range(4):
             if failure and rank == 2:
                 assert final[2]["pid"] != pids[2]
-            else:
+            elif keep_pids or rank == 3:
                 assert final[rank]["pid"] == pids[rank], (rank, final, pids)
         assert ("tp-run: failure: rank(s) [2]" in errs) == failure
     else:

@@ -37,8 +37,11 @@ two nodes announce two different g+1. So the decision is deferred (:meth:`Resili
 a publish that could not reach the backend is never taken for another node's win), this
 node's surviving ranks are told to wait, and the generation goes out when the backend
 answers; if another node published first meanwhile, its generation is applied, which
-gives this node's dead ranks this node's spares. Past ``outage_timeout`` a deferred
-recovery ends the job with one error line (exit 1). Ranks that all finished training
+gives this node's dead ranks this node's spares. Ranks of other nodes give up waiting
+for the generation after ``_RANK_WAIT_S`` and fail together at one step: while the
+backend is (or lately was) unreachable, that is not a crash loop, and they get spares
+like any dead rank. Past ``outage_timeout`` a deferred recovery ends the job with one
+error line (exit 1). Ranks that all finished training
 are let go past ``outage_timeout`` (every rank took part in the last step's collectives).
 A rank gone before the exit barrier is never a success: the agent exits 0 only after the
 barrier (or when a plain script's ranks all exited 0).
@@ -81,6 +84,11 @@ _SPARE_FAILURES_MAX = 3
 _MIGRATION_MARGIN = 2
 # Multi-node: seconds between two reads of the job's state when no watch poked.
 _VIEW_POLL_S = 2.0
+# How long a rank whose collective failed waits for its agent's next generation before
+# it fails with an error (tp_launch.resilient.runtime.RECOVERY_WAIT_S). Ranks that gave
+# up because the rendezvous backend was down meanwhile fail together, at one step: that
+# is not a crash loop.
+_RANK_WAIT_S = 60.0
 
 
 def control_dir() -> str:
@@ -164,6 +172,7 @@ class ResilientAgent(NodeAgent):
         # for it to be published (multi-node; see _defer).
         self._deferred: dict[int, str] = {}
         self._deferred_since = 0.0
+        self._outage_seen = -1e9  # monotonic: the last time the backend was unreachable
         self._unplaced: list[int] = []  # ranks of this node whose spare has not parked yet
         self._finished: set[int] = set()
         self._exiting = False
@@ -410,6 +419,7 @@ class ResilientAgent(NodeAgent):
             self._gens.flush()
             view = self._gens.view()
         except KVUnavailable as e:
+            self._outage_seen = time.monotonic()
             self._backend_unreachable(e)
             return
         if view is None:
@@ -473,6 +483,7 @@ class ResilientAgent(NodeAgent):
         compare-and-swap succeeded, so two nodes never announce different ones.
         This node's surviving ranks are told to wait for it without their own limit."""
         assert isinstance(self._gens, SharedGenerations)  # a local publish cannot fail
+        self._outage_seen = time.monotonic()
         if not self._deferred:
             self._deferred_since = detected
             logger.warning("rank(s) %s lost their process while the rendezvous backend is "
@@ -505,6 +516,10 @@ class ResilientAgent(NodeAgent):
             # after every rank finished): torchrun's way.
             result = self._fail([p.worker for p in failures], self._rank_map())
             raise StopJob(result, final=False)
+        # Ranks may have waited for a generation that only the unreachable backend could
+        # bring, and given up: their errors say nothing about the script.
+        blame_backend = isinstance(self._gens, SharedGenerations) and (
+            self._gens.outage_s() > 0 or time.monotonic() - self._outage_seen < _RANK_WAIT_S + 5)
         for proc in failures:
             logger.warning("rank %s (pid %s) failed with exit code %s; replacing it",
                            self._slot_rank(proc.slot), proc.worker.pid, proc.worker.returncode)
@@ -512,7 +527,7 @@ class ResilientAgent(NodeAgent):
             if self._first_failure is None:
                 self._first_failure = f
             step = self._board.read(proc.slot)
-            if self._crash.is_loop(proc.worker.returncode or 0, step):
+            if not blame_backend and self._crash.is_loop(proc.worker.returncode or 0, step):
                 logger.error("rank %s failed again at step %s with exit code %s: a crash "
                              "loop, not a machine failure; stopping the job",
                              f.rank, step, f.exitcode)
