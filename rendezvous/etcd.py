@@ -20,9 +20,9 @@ answers is a plain :class:`~rendezvous.kv.KVError`. The channel retries its conn
 every second or two (gRPC's default backoff grows to two minutes, which would add up
 to two minutes to every outage). A watch whose stream breaks (etcd went away; pyetcd
 also drops every watch after any failed request) is armed again in the background until
-etcd answers, and then fires once, since the events of the gap are lost. etcd's
-simple auth tokens do not survive its restart: an "invalid auth token" answer makes
-the client log in again, once per request. Leases need nothing: etcd keeps them across
+etcd answers, and then fires once, since the events of the gap are lost. An "invalid
+auth token" answer (etcd forgot or expired this client's token) makes the client log in
+again, once per request. Leases need nothing: etcd keeps them across
 a restart and gives each its full TTL again when a leader takes over, so no lease
 expires because etcd was down.
 """
@@ -196,7 +196,7 @@ class EtcdKV(KV):
         raise AssertionError("unreachable")
 
     def _log_in_again(self) -> None:
-        """etcd restarted and forgot this client's token: a new one (the watcher is
+        """etcd forgot (or expired) this client's token: a new one (the watcher is
         rebuilt with it on the next watch)."""
         from pyetcd import etcdrpc
 
@@ -285,10 +285,13 @@ class EtcdKV(KV):
             while not cancelled.is_set() and not self._closed.is_set():
                 try:
                     arm()
-                except KVError as e:
+                except KVUnavailable as e:
                     logger.debug("re-arming the watch on %s: %s", prefix, e)
                     cancelled.wait(_REARM_INTERVAL)
                     continue
+                except KVError as e:  # refused: the protocol's own polls carry on
+                    logger.warning("rendezvous: cannot watch %s again: %s", prefix, e)
+                    return
                 callback()  # the events of the gap are lost: look again
                 return
 

@@ -33,18 +33,18 @@ concluded. What a node can do alone it does (a dead parked spare is replaced). A
 that dies needs the other nodes (every rank rebuilds the group in the new generation,
 and they hear of it only through the backend), and a generation exists only once its
 compare-and-swap succeeded: announcing g+1 to this node's ranks before that could let
-two nodes announce two different g+1. So the decision is deferred (:meth:`ResilientAgent._defer`:
-a publish that could not reach the backend is never taken for another node's win), this
-node's surviving ranks are told to wait, and the generation goes out when the backend
-answers; if another node published first meanwhile, its generation is applied, which
-gives this node's dead ranks this node's spares. Ranks of other nodes give up waiting
-for the generation after ``_RANK_WAIT_S`` and fail together at one step: while the
-backend is (or lately was) unreachable, that is not a crash loop, and they get spares
-like any dead rank. Past ``outage_timeout`` a deferred recovery ends the job with one
-error line (exit 1). Ranks that all finished training
-are let go past ``outage_timeout`` (every rank took part in the last step's collectives).
-A rank gone before the exit barrier is never a success: the agent exits 0 only after the
-barrier (or when a plain script's ranks all exited 0).
+two nodes announce two different g+1. So the decision is deferred
+(:meth:`ResilientAgent._defer`; a publish that could not reach the backend is never
+taken for another node's win), this node's surviving ranks are told to wait, and the
+generation goes out when the backend answers; if another node published first
+meanwhile, its generation is applied, which gives this node's dead ranks this node's
+spares. Ranks of other nodes give up waiting for the generation after ``_RANK_WAIT_S``
+and fail together at one step: while the backend is (or lately was) unreachable, that
+is not a crash loop, and they get spares like any dead rank. Past ``outage_timeout`` a
+deferred recovery ends the job with one error line (exit 1); ranks that all finished
+training are let go (every rank took part in the last step's collectives). A rank gone
+before the exit barrier is never a success: the agent exits 0 only after the barrier
+(or when a plain script's ranks all exited 0).
 """
 
 from __future__ import annotations
