@@ -2,8 +2,18 @@
 
 As torchrun's c10d rendezvous: the store runs on the endpoint host (port 29400 if the
 endpoint has none), hosted by the agent that can bind it (``is_host`` forces the choice),
-and every agent, the host included, talks to it as a client with ``read_timeout``. It
-does not survive losing the hosting agent (use etcd for that).
+and every agent, the host included, talks to it as a client with ``read_timeout``.
+
+What c10d cannot survive: the rendezvous state lives in the hosting agent's memory, so
+losing that agent loses it for good. Its errors are therefore refusals
+(:class:`~rendezvous.kv.KVError`), never outages (:class:`~rendezvous.kv.KVUnavailable`):
+nothing waits ``outage_timeout`` for a store that cannot come back, and the other agents
+stop (one error line) as soon as they notice. A host that is only frozen (stopped,
+swapping) or cut off blocks every other agent's requests until it serves again (a
+TCPStore request has no deadline of its own, and ``list_keys`` holds the GIL meanwhile:
+an agent caught listing keys freezes whole, its workers running on), so
+``outage_timeout`` cannot bound that wait; the job then goes on, nobody counted lost
+for the stall (above).
 
 A TCPStore has no revisions, leases or watches, so they are emulated:
 
@@ -12,6 +22,13 @@ A TCPStore has no revisions, leases or watches, so they are emulated:
 - a lease is a heartbeat key holding the writer's wall-clock time; a key put under a
   lease carries the lease id and reads as absent once the heartbeat is older than the
   TTL (clocks of the nodes must agree to well under the TTL, as for torchrun's c10d);
+- a *stall* (a request that took longer than half a TTL, or as long a silence between
+  two of this client's requests, which the keep-alive makes far more often: the store
+  was not serving, its host frozen or cut off, or this process was frozen) is no
+  evidence against anyone: for one TTL after it, a reader counts a lease alive if it
+  was alive when the stall began, as etcd gives every lease a full TTL when it comes
+  back. (The holder's own keep-alive gets no such grace: a lease it could not refresh
+  in time is renewed, see :mod:`rendezvous.membership`.)
 - a watch polls the prefix and calls back when it changed.
 """
 
@@ -51,7 +68,7 @@ class C10dKV(KV):
     def __init__(self, host: str, port: int, *, is_host: bool | None = None,
                  timeout: float = 60.0, namespace: str = "/tp-run",
                  poll_interval: float = 0.5) -> None:
-        _import_torch_quietly()
+        import_torch_quietly()
         from torch.distributed import TCPStore
 
         from rendezvous.store_host import StoreHost
@@ -84,14 +101,29 @@ class C10dKV(KV):
             raise KVError(f"cannot reach the {where} within {timeout:g}s ({first})") from None
         self._where = where
         self._lock = threading.Lock()  # one TCPStore client: one request at a time
+        self._ttl: float | None = None  # of this client's lease: sets the stall threshold
+        self._last_done = time.time()
+        self._stall: tuple[float, float] | None = None  # the latest stall (wall clock)
 
     def _call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        start = time.time()
         try:
             with self._lock:
                 return fn(*args)
         except Exception as e:  # noqa: BLE001
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise KVError(f"{self._where}: {what} failed: {first}") from None
+        finally:
+            self._note_stall(start)
+
+    def _note_stall(self, start: float) -> None:
+        end, last = time.time(), self._last_done
+        self._last_done = end
+        if self._ttl is None:
+            return
+        began = last if start - last > self._ttl / 2 else start
+        if end - began > self._ttl / 2:
+            self._stall = (began, end)
 
     # ------------------------------------------------------------ leases
 
@@ -103,9 +135,16 @@ class C10dKV(KV):
         if raw is None:
             return False
         beat = json.loads(raw)
-        return beat["t"] > 0 and now - beat["t"] <= beat["ttl"]
+        if beat["t"] <= 0:
+            return False  # revoked
+        if now - beat["t"] <= beat["ttl"]:
+            return True
+        stall = self._stall  # alive when the stall began, and one TTL since it ended
+        return stall is not None and stall[0] - beat["t"] <= beat["ttl"] and \
+            now - stall[1] <= beat["ttl"]
 
     def lease_grant(self, ttl: float) -> Any:
+        self._ttl = ttl if self._ttl is None else min(self._ttl, ttl)
         lease = uuid.uuid4().hex
         self._call("lease", self._store.set, self._lease_key(lease),
                    json.dumps({"t": time.time(), "ttl": ttl}))
@@ -205,7 +244,7 @@ class C10dKV(KV):
         return self._server is not None
 
 
-def _import_torch_quietly() -> None:
+def import_torch_quietly() -> None:
     """Import torch with its C++ log level at FATAL, if it is not imported yet.
 
     A TCPStore client whose server is gone (a c10d host that died, or not there yet)

@@ -4,11 +4,13 @@ Known keys (seconds unless noted): ``join_timeout`` (etcd's old ``timeout`` too)
 ``last_call_timeout``, ``close_timeout``, ``keep_alive_interval``,
 ``keep_alive_max_attempt`` (a count), ``heartbeat_timeout``, ``read_timeout``,
 ``lease_ttl`` (etcd lease / c10d heartbeat TTL; default ``heartbeat_timeout``),
-``exit_barrier_timeout``; the backends' own keys are read by :mod:`rendezvous.etcd` and
-:mod:`rendezvous.c10d`. Durations are finite numbers (``nan`` would wait forever).
-Unknown keys are ignored, as torchrun ignores them, unless they look like a misspelled
-known key (``ca-cert``, ``join_timout``): that is an error, since the setting the user
-meant would silently not apply.
+``exit_barrier_timeout``, ``outage_timeout`` (how long what needs an unreachable
+rendezvous backend waits for it: :mod:`rendezvous.membership`, "Outages"); the backends'
+own keys are read by :mod:`rendezvous.etcd` and :mod:`rendezvous.c10d`. Durations are
+finite numbers (``nan`` would wait forever). Unknown keys are ignored, as torchrun
+ignores them, unless they look like a misspelled known key (``ca-cert``,
+``join_timout``): that is an error, since the setting the user meant would silently
+not apply.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from rendezvous.membership import Timeouts
 logger = logging.getLogger(__name__)
 
 _DURATIONS = ("join_timeout", "last_call_timeout", "close_timeout", "keep_alive_interval",
-              "heartbeat_timeout", "read_timeout", "lease_ttl", "exit_barrier_timeout")
+              "heartbeat_timeout", "read_timeout", "lease_ttl", "exit_barrier_timeout",
+              "outage_timeout")
 _ALIASES = {"timeout": "join_timeout", "ttl": "lease_ttl"}
 BACKEND_KEYS = {"protocol", "cacert", "ca_cert", "cert", "ssl_cert", "key", "ssl_cert_key",
                 "etcd_prefix", "user", "is_host", "store_type", "use_libuv",

@@ -13,17 +13,31 @@ text), and never passed on to the workers (:mod:`tp_launch.agent.worker_env`).
 
 Why a version is etcd's ``mod_revision``: every write bumps it, so a compare on it in a
 transaction is a compare-and-swap that no stale writer can pass.
+
+Outages (etcd restarted, a leader election, a rolling upgrade): a request that cannot
+reach etcd (gRPC ``UNAVAILABLE`` or ``DEADLINE_EXCEEDED``) raises
+:class:`~rendezvous.kv.KVUnavailable`, which the protocol waits out; anything else etcd
+answers is a plain :class:`~rendezvous.kv.KVError`. The channel retries its connection
+every second or two (gRPC's default backoff grows to two minutes, which would add up
+to two minutes to every outage). A watch whose stream breaks (etcd went away; pyetcd
+also drops every watch after any failed request) is armed again in the background until
+etcd answers, and then fires once, since the events of the gap are lost. An "invalid
+auth token" answer (etcd forgot or expired this client's token) makes the client log in
+again, once per request. Leases need nothing: etcd keeps them across
+a restart and gives each its full TTL again when a leader takes over, so no lease
+expires because etcd was down.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from rendezvous.kv import KV, KVError
+from rendezvous.kv import KV, KVError, KVUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +75,27 @@ def _describe(e: BaseException) -> str:
         except Exception:  # noqa: BLE001 - best effort only
             pass
     return str(e) or type(e).__name__
+
+
+def _unavailable(e: BaseException) -> bool:
+    """Whether ``e`` says etcd cannot be reached now (as opposed to a refusal)."""
+    import grpc
+    from pyetcd import exceptions
+
+    if isinstance(e, (exceptions.ConnectionFailedError, exceptions.ConnectionTimeoutError,
+                      exceptions.NoServerAvailableError, exceptions.WatchTimedOut)):
+        return True
+    code = getattr(e, "code", None)
+    return isinstance(e, grpc.RpcError) and callable(code) and \
+        code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+# Seconds between two attempts to re-arm a broken watch, and the gRPC channel's
+# reconnection backoff (milliseconds): etcd is back within a second or two of a restart.
+_REARM_INTERVAL = 0.5
+_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 500),
+                    ("grpc.min_reconnect_backoff_ms", 500),
+                    ("grpc.max_reconnect_backoff_ms", 2000)]
 
 
 class EtcdKV(KV):
@@ -105,7 +140,8 @@ class EtcdKV(KV):
                           f"{PASSWORD_ENV})")
         # pyetcd marks an endpoint "failed" for 300 s after one transient error and then
         # refuses to use it; with a single endpoint that would turn a blip into an outage.
-        endpoint = Endpoint(host, port, secure=creds is not None, creds=creds, time_retry=0.0)
+        endpoint = Endpoint(host, port, secure=creds is not None, creds=creds, time_retry=0.0,
+                            opts=_CHANNEL_OPTIONS)
         deadline = time.monotonic() + connect_timeout
         last = ""
         while True:
@@ -138,16 +174,43 @@ class EtcdKV(KV):
             time.sleep(0.5)
         self._tx = self._client.transactions
         self._where = where
+        self._login = (user, password) if user else None
+        self._closed = threading.Event()
 
     def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        for attempt in range(2):
+            try:
+                result = fn(*args, **kwargs)
+                self._reached(True)
+                return result
+            except Exception as e:  # grpc.RpcError or pyetcd's wrappers of it
+                why = _describe(e)
+                if attempt == 0 and self._login and "invalid auth token" in why:
+                    self._log_in_again()
+                    continue
+                if "user name is empty" in why:
+                    why += (f" (this etcd requires a login: --rdzv-conf user=... and "
+                            f"{PASSWORD_ENV})")
+                if _unavailable(e):
+                    self._reached(False)
+                    raise KVUnavailable(f"{self._where}: {what} failed: {why}") from None
+                raise KVError(f"{self._where}: {what} failed: {why}") from None
+        raise AssertionError("unreachable")
+
+    def _log_in_again(self) -> None:
+        """etcd forgot (or expired) this client's token: a new one (the watcher is
+        rebuilt with it on the next watch)."""
+        from pyetcd import etcdrpc
+
+        user, password = self._login  # type: ignore[misc]
         try:
-            return fn(*args, **kwargs)
-        except Exception as e:  # grpc.RpcError or pyetcd's wrappers of it
-            why = _describe(e)
-            if "user name is empty" in why:
-                why += (f" (this etcd requires a login: --rdzv-conf user=... and "
-                        f"{PASSWORD_ENV})")
-            raise KVError(f"{self._where}: {what} failed: {why}") from None
+            resp = self._client.authstub.Authenticate(
+                etcdrpc.AuthenticateRequest(name=user, password=password), self._timeout)
+        except Exception as e:  # noqa: BLE001 - the retried request reports the failure
+            logger.debug("etcd login: %s", _describe(e))
+            return
+        self._client.metadata = (("token", resp.token),)
+        self._client._clear_old_stubs()
 
     def get(self, key: str) -> tuple[str | None, Any]:
         value, meta = self._call("get", self._client.get, key)
@@ -194,21 +257,67 @@ class EtcdKV(KV):
             logger.debug("lease revoke: %s", _describe(e))
 
     def watch_prefix(self, prefix: str, callback: Callable[[], None]) -> Callable[[], None]:
-        def on_event(_response: Any) -> None:
-            # An error (the stream broke) is also a reason to look again.
-            callback()
+        """A watch that outlives its stream: when the stream breaks it is armed again
+        (in the background, until etcd answers) and fires once more. Raises only for a
+        refusal; with etcd unreachable, the watch is armed when etcd is back."""
+        from pyetcd.watch import WatchResponse
 
-        watch_id = self._call("watch", self._client.add_watch_prefix_callback, prefix, on_event)
+        lock = threading.Lock()
+        current: list[Any] = [None]  # the watch id of the live stream
+        cancelled = threading.Event()
+
+        def on_event(response: Any) -> None:
+            if not isinstance(response, WatchResponse) and not cancelled.is_set():
+                # None (pyetcd closed the watcher) or an error: the stream is gone.
+                with lock:
+                    current[0] = None
+                threading.Thread(target=rearm, name="tp-etcd-rewatch", daemon=True).start()
+            callback()  # either way: look again
+
+        def arm() -> None:
+            watch_id = self._call("watch", self._client.add_watch_prefix_callback, prefix,
+                                  on_event)
+            with lock:
+                if cancelled.is_set():
+                    self._cancel_watch(watch_id)
+                else:
+                    current[0] = watch_id
+
+        def rearm() -> None:
+            while not cancelled.is_set() and not self._closed.is_set():
+                try:
+                    arm()
+                except KVUnavailable as e:
+                    logger.debug("re-arming the watch on %s: %s", prefix, e)
+                    cancelled.wait(_REARM_INTERVAL)
+                    continue
+                except KVError as e:  # refused: the protocol's own polls carry on
+                    logger.warning("rendezvous: cannot watch %s again: %s", prefix, e)
+                    return
+                callback()  # the events of the gap are lost: look again
+                return
 
         def cancel() -> None:
-            try:
-                self._client.cancel_watch(watch_id)
-            except Exception:  # noqa: BLE001 - closing anyway
-                pass
+            cancelled.set()
+            with lock:
+                watch_id, current[0] = current[0], None
+            if watch_id is not None:
+                self._cancel_watch(watch_id)
 
+        try:
+            arm()
+        except KVUnavailable:
+            threading.Thread(target=rearm, name="tp-etcd-rewatch", daemon=True).start()
         return cancel
 
+    def _cancel_watch(self, watch_id: Any) -> None:
+        try:
+            self._client.cancel_watch(watch_id)
+        except Exception:  # noqa: BLE001 - closing anyway
+            pass
+
     def close(self) -> None:
+        self._closed.set()
         try:
             self._client.close()
         except Exception:  # noqa: BLE001

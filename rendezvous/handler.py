@@ -58,6 +58,12 @@ class MembershipRendezvous(RendezvousHandler):
     def next_rendezvous(self, local_world_size: int) -> RendezvousInfo:
         self._close_store()
         m = self.membership
+        # torch before the lease: the stores need it, and importing it (on a store's
+        # thread, say) holds the GIL for seconds at a time on a loaded machine, which
+        # would starve the keep-alive thread past a short lease_ttl.
+        from rendezvous.c10d import import_torch_quietly
+
+        import_torch_quietly()
         world = m.join(local_world_size)
         try:
             if world.node_rank == 0:

@@ -13,6 +13,12 @@ written once and the backends stay thin:
   the protocol re-reads on its own timer too, so a watch only makes it faster),
 - ``delete_prefix``.
 
+Errors: :class:`KVUnavailable` when the backend cannot be reached *now* (etcd
+restarting, a leader election, a network blip): it may come back, and the protocol
+waits for it (``outage_timeout``). Any other :class:`KVError` is a refusal (bad
+credentials, a c10d store whose host is gone) that waiting will not fix.
+:attr:`KV.outage_since` says since when the backend has been unreachable.
+
 Implementations: :class:`rendezvous.etcd.EtcdKV` (etcd v3) and
 :class:`rendezvous.c10d.C10dKV` (a TCPStore). :class:`CountingKV` wraps either and
 counts requests, for the scale benchmark.
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import abc
 import threading
+import time
 from typing import Any, Callable
 
 
@@ -29,11 +36,32 @@ class KVError(RuntimeError):
     """The backend cannot be reached or refused the request; the message says why."""
 
 
+class KVUnavailable(KVError):
+    """The backend cannot be reached now, and may come back (a restart, a leader
+    election, the network): waiting for it is worth it."""
+
+
 class KV(abc.ABC):
     """A key-value store with versions, leases and prefix watches.
 
     Keys and values are ``str``; versions are opaque (``None``: the key is absent).
     """
+
+    _outage_since: float | None = None
+
+    @property
+    def outage_since(self) -> float | None:
+        """``time.monotonic()`` of the first request that met :class:`KVUnavailable`
+        since the last one that reached the backend; None while it is reachable."""
+        return self._outage_since
+
+    def _reached(self, ok: bool) -> None:
+        """Backends call this after each request: it reached the backend, or met
+        :class:`KVUnavailable`."""
+        if ok:
+            self._outage_since = None
+        elif self._outage_since is None:
+            self._outage_since = time.monotonic()
 
     @abc.abstractmethod
     def get(self, key: str) -> tuple[str | None, Any]:
@@ -135,6 +163,10 @@ class CountingKV(KV):
     def watch_prefix(self, prefix: str, callback: Callable[[], None]) -> Callable[[], None]:
         self._count()
         return self.inner.watch_prefix(prefix, callback)
+
+    @property
+    def outage_since(self) -> float | None:
+        return self.inner.outage_since
 
     def close(self) -> None:
         self.inner.close()

@@ -58,6 +58,35 @@ to the agent through a pipe it can ``select`` on. Every write that changes the s
 a compare-and-swap against the version read, and every round-scoped write checks the
 round, so a stale agent from an old round cannot change the current one.
 
+Outages
+-------
+The backend unreachable (:class:`~rendezvous.kv.KVUnavailable`: etcd restarting, a
+leader election, a rolling upgrade, the network) is evidence of nothing: nobody can
+observe anyone meanwhile, so nothing is concluded from it.
+
+- Leases: a keep-alive that cannot reach the backend is retried every second; the lease
+  is not given up. etcd keeps leases across a restart and gives each its full TTL again
+  when a leader takes over, so nobody is counted lost because etcd was down. A lease that
+  did expire (this member alone was cut off for longer than the TTL while the others
+  could see the backend) is replaced by a new one carrying the same keys (liveness,
+  parked count: the keys put with :meth:`Membership._put_leased`); if the others acted
+  meanwhile (a new round, a generation without this node), the state says so, and this
+  member follows it as it follows any change. Only a backend that *refuses* the
+  keep-alive ``keep_alive_max_attempt`` times breaks the member's world.
+- A running world is not changed by an outage: the monitor keeps looking. Watches break
+  with the connection; the backend arms them again and they fire once when it is back
+  (the events of the gap are lost: everyone looks again).
+- What needs the backend waits for it: a join (hence a restart), a failure report
+  (:meth:`Membership.report_failure` keeps it; the next join, or :meth:`Membership.close`,
+  delivers it unless its round has moved on), the exit barrier, the round's store key,
+  and, in resilient mode, the next generation's compare-and-swap
+  (:mod:`tp_launch.agent.resilient_agent`). Every such wait ends ``outage_timeout``
+  (default 300 s) after the first request that found the backend unreachable, with one
+  :class:`RendezvousError` line (the exit barrier, whose member's workers succeeded,
+  just stops waiting). A world that needs nothing goes on, however long the outage.
+- Refusals (any other :class:`~rendezvous.kv.KVError`: bad credentials, a c10d store
+  whose host died) are not outages and fail as before.
+
 Time: the close deadline is measured by the opener's own monotonic clock; the only
 wall-clock value (join time) just orders members.
 """
@@ -72,12 +101,17 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from rendezvous.api import RendezvousError
-from rendezvous.kv import KV, KVError
+from rendezvous.kv import KV, KVError, KVUnavailable
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Seconds between two attempts of something that waits for an unreachable backend.
+_OUTAGE_RETRY = 0.5
 
 # Minimum seconds between two reads of a round's join keys by its opener.
 _JOIN_READ_INTERVAL = 0.05
@@ -103,6 +137,7 @@ class Timeouts:
     read_timeout: float = 60.0
     lease_ttl: float = 30.0
     exit_barrier_timeout: float = 300.0
+    outage_timeout: float = 300.0
 
 
 @dataclass(frozen=True)
@@ -204,7 +239,15 @@ class Membership:
         self._join_watch: tuple[int, Callable[[], None]] | None = None
         self._alive_watch: Callable[[], None] | None = None
         self._keepalive: threading.Thread | None = None
-        self._lease_lost = threading.Event()
+        # Keys on the lease (liveness, parked spares) and their values: put again on a
+        # new lease, and after an outage in which a put failed.
+        self._leased: dict[str, str] = {}
+        self._leased_dirty = False
+        self._lease_lock = threading.Lock()
+        self._lease_epoch = 0  # +1 per lease granted (join keys follow the lease)
+        self._broken: str | None = None  # the backend refuses this member: a world change
+        self._outage_logged: float | None = None  # when this outage was logged
+        self._pending_report: tuple[int, str, bool] | None = None  # round, detail, final
         self.world: World | None = None
         # World-change notification for the agent's select loop.
         self._pipe_r, self._pipe_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -220,42 +263,152 @@ class Membership:
     # ------------------------------------------------------------------ liveness
 
     def _ensure_alive(self, local_world_size: int) -> None:
-        """Grant the lease and put the liveness key (once; again after a lost lease)."""
-        self._local_world_size = local_world_size
-        if self._lease is not None and not self._lease_lost.is_set():
+        """Grant the lease and put the liveness key (the first time; the keep-alive
+        thread renews both when the lease expires)."""
+        if self._lease is not None and local_world_size == self._local_world_size and \
+                self._alive_key(self.id) in self._leased and not self._leased_dirty:
             return
-        self._lease_lost.clear()
-        self._lease = self.kv.lease_grant(self.t.lease_ttl)
-        self.kv.put(self._alive_key(self.id), json.dumps(self._me().to_json()), self._lease)
+        self._local_world_size = local_world_size
+        if self._lease is None:
+            self._lease = self.kv.lease_grant(self.t.lease_ttl)
+            self._lease_epoch += 1
         if self._keepalive is None:
             self._keepalive = threading.Thread(target=self._keep_alive, name="tp-rdzv-keepalive",
                                                daemon=True)
             self._keepalive.start()
+        self._put_leased(self._alive_key(self.id), json.dumps(self._me().to_json()))
         if not self._cancels:
             # Only the state: watching every member's liveness key while joining would
             # wake each member once per joiner. The running world watches them (monitor).
             self._cancels.append(self.kv.watch_prefix(self._state_key, self._wake.set))
 
-    def _keep_alive(self) -> None:
-        failures = 0
-        while not self._closed.wait(self.t.keep_alive_interval):
-            lease = self._lease
+    def _put_leased(self, key: str, value: str) -> None:
+        """Put ``key`` on this member's lease and remember it (see ``_leased``)."""
+        with self._lease_lock:
+            self._leased[key] = value
             try:
-                ok = self.kv.lease_keepalive(lease)
-                failures = 0
+                self.kv.put(key, value, self._lease)
+            except KVError:
+                self._leased_dirty = True
+                raise
+
+    def _put_leased_again(self) -> None:
+        with self._lease_lock:
+            try:
+                for key, value in self._leased.items():
+                    self.kv.put(key, value, self._lease)
+                self._leased_dirty = False
+            except KVError as e:
+                logger.debug("rendezvous: putting the liveness keys again: %s", e)
+
+    def _keep_alive(self) -> None:
+        """Refresh the lease every ``keep_alive_interval``.
+
+        The backend unreachable (KVUnavailable) is an outage, not a lost lease: nobody
+        can see anything meanwhile, and etcd gives every lease its full TTL again when
+        it comes back; this member just retries, every second. The backend answering
+        that the lease expired (this member was cut off for longer than the TTL while
+        the others could see it): a new lease with the same keys; if the others acted
+        meanwhile (a new round, a generation without this node), the state says so.
+        Only a backend that refuses the keep-alive ``keep_alive_max_attempt`` times
+        (not an outage) breaks this member's world.
+        """
+        failures = 0
+        while not self._closed.wait(self.t.keep_alive_interval if self._outage_logged is None
+                                    else min(1.0, self.t.keep_alive_interval)):
+            try:
+                alive = self.kv.lease_keepalive(self._lease)
+            except KVUnavailable as e:
+                self._note_outage(e)
+                continue
             except KVError as e:
                 failures += 1
                 logger.warning("rendezvous keep-alive failed (%s/%s): %s", failures,
                                self.t.keep_alive_max_attempt, e)
-                ok = failures < self.t.keep_alive_max_attempt
-            if not ok and not self._closed.is_set():
-                # The others have (or will have) counted this member as dead; it must
-                # rejoin as a new one. The monitor turns this into a world change.
-                logger.error("this agent's rendezvous lease expired")
-                self._lease_lost.set()
-                self._wake.set()
-                self.poke()
-                failures = 0
+                if failures >= self.t.keep_alive_max_attempt and not self._closed.is_set():
+                    self._break(f"the keep-alive was refused {failures} times: {e}")
+                    failures = 0
+                continue
+            failures = 0
+            self._note_reached()
+            if self._closed.is_set():
+                return
+            if not alive:
+                self._renew_lease()
+            elif self._leased_dirty:
+                self._put_leased_again()
+
+    def _renew_lease(self) -> None:
+        with self._lease_lock:
+            try:
+                lease = self.kv.lease_grant(self.t.lease_ttl)
+            except KVError as e:
+                logger.warning("rendezvous: cannot renew the expired lease yet: %s", e)
+                return
+            self._lease = lease
+            self._lease_epoch += 1
+        self._put_leased_again()
+        logger.warning("this node's rendezvous lease had expired (cut off from the backend "
+                       "for longer than lease_ttl=%gs); it holds a new one with the same keys",
+                       self.t.lease_ttl)
+        self._look_again()
+
+    def _break(self, reason: str) -> None:
+        logger.error("rendezvous: %s", reason)
+        self._broken = reason
+        self._look_again()
+
+    def _look_again(self) -> None:
+        """Make the monitor (compatible mode) or the agent (resilient mode: it watches
+        changes and drains :attr:`fd`) read the world again. Compatible mode's agent
+        does not drain :attr:`fd`: only real changes may make it readable there."""
+        self._wake.set()
+        if self._change_watches:
+            self.poke()
+
+    # ------------------------------------------------------------------ outages
+
+    def outage_s(self) -> float:
+        """How long the backend has been unreachable (0: it is reachable)."""
+        since = self.kv.outage_since
+        return 0.0 if since is None else time.monotonic() - since
+
+    def outage_error(self, e: KVError) -> RendezvousError:
+        """The one line that ends a wait for the backend longer than ``outage_timeout``."""
+        return RendezvousError(
+            f"the rendezvous backend has been unreachable for {self.outage_s():.0f}s, longer "
+            f"than outage_timeout={self.t.outage_timeout:g}s ({e})")
+
+    def _note_outage(self, e: KVError) -> None:
+        if self._outage_logged is None:
+            self._outage_logged = time.monotonic()
+            logger.warning("the rendezvous backend is unreachable (%s); the workers keep "
+                           "running, and what needs the backend waits for it (outage_timeout="
+                           "%gs)", e, self.t.outage_timeout)
+
+    def _note_reached(self) -> None:
+        if self._outage_logged is not None:
+            logger.warning("the rendezvous backend is reachable again (after %.0fs)",
+                           time.monotonic() - self._outage_logged)
+            self._outage_logged = None
+            self._look_again()  # the watches missed the outage's events
+
+    def _wait_for_backend(self, e: KVError) -> None:
+        """Between two tries of something that needs the backend; RendezvousError once
+        it has been unreachable for longer than ``outage_timeout``."""
+        self._note_outage(e)
+        if self.outage_s() > self.t.outage_timeout:
+            raise self.outage_error(e)
+        time.sleep(_OUTAGE_RETRY)
+
+    def until_reachable(self, fn: Callable[[], T]) -> T:
+        """``fn()``, tried again while the backend is unreachable (KVUnavailable), up
+        to ``outage_timeout`` (then RendezvousError)."""
+        while True:
+            try:
+                return fn()
+            except KVUnavailable as e:
+                self._wait_for_backend(e)
 
     def _alive_key(self, member: str) -> str:
         return f"{self.p}alive/{member}"
@@ -296,30 +449,37 @@ class Membership:
     def join(self, local_world_size: int) -> World:
         """Take part in the next round and return the world it formed.
 
-        Raises:
-            RendezvousError: no world within ``join_timeout``, the job is complete, or
-                the backend fails.
-        """
-        try:
-            return self._join(local_world_size)
-        except KVError as e:
-            raise RendezvousError(str(e)) from None
+        While the backend is unreachable the join waits for it (and starts over when
+        it is back), up to ``outage_timeout``; a failure report that could not be
+        delivered (:meth:`report_failure`) is delivered first.
 
-    def _join(self, local_world_size: int) -> World:
-        self._ensure_alive(local_world_size)
-        self._stop_monitor()
+        Raises:
+            RendezvousError: no world within ``join_timeout``, the job is complete, the
+                backend refuses, or it has been unreachable for ``outage_timeout``.
+        """
         last_round = self.world.round if self.world is not None else -1
-        self.world = None
         deadline = time.monotonic() + self.t.join_timeout
-        joined_round = -1
+        self._broken = None
+        while True:
+            try:
+                return self._join(local_world_size, last_round, deadline)
+            except KVUnavailable as e:
+                self._wait_for_backend(e)
+            except KVError as e:
+                raise RendezvousError(str(e)) from None
+
+    def _join(self, local_world_size: int, last_round: int, deadline: float) -> World:
+        self._stop_monitor()
+        self._ensure_alive(local_world_size)
+        self._deliver_report()
+        self.world = None
+        joined: tuple[int, int] = (-1, -1)  # (round, lease epoch) of our join key
+        join_time = 0.0
         spare = False
         min_seen_at: float | None = None  # opener: when MIN members had joined
         next_opener_check = 0.0
         last_join_read = 0.0
         while True:
-            if self._lease_lost.is_set():
-                self._ensure_alive(local_world_size)
-                joined_round = -1
             self._wake.clear()
             state, version = self.read_state()
             phase = state["phase"] if state else None
@@ -337,7 +497,10 @@ class Membership:
                     return self._formed(state)
                 if self.id in ids:
                     # Our own old round: we are here to restart it.
-                    self._open_round(state, version, f"restart requested by {self.id}", False)
+                    # (A failed round's reason carries on: the others may read the new
+                    # round before they saw the failure.)
+                    self._open_round(state, version, state.get("failed") or
+                                     f"restart requested by {self.id}", False)
                     continue
                 alive = self.alive_members()
                 dead = [i for i in ids if i not in alive]
@@ -365,13 +528,16 @@ class Membership:
                 self._wait(deadline, spare, state)
                 continue
             # phase == "joining"
-            if joined_round != rnd:
+            if joined != (rnd, self._lease_epoch):
+                # (Again on a renewed lease: the old one took the key with it.)
+                if joined[0] != rnd:
+                    join_time = time.time()
+                    min_seen_at = None
+                    next_opener_check = 0.0
+                    spare = False
                 self.kv.put(self._join_key(rnd, self.id),
-                            json.dumps({**self._me().to_json(), "t": time.time()}), self._lease)
-                joined_round = rnd
-                min_seen_at = None
-                next_opener_check = 0.0
-                spare = False
+                            json.dumps({**self._me().to_json(), "t": join_time}), self._lease)
+                joined = (rnd, self._lease_epoch)
             opener = state.get("opener")
             if opener != self.id and time.monotonic() >= next_opener_check:
                 # Rate-limited: every member looking at every wake-up would make a
@@ -491,23 +657,29 @@ class Membership:
             try:
                 change = self.check_world(world, ids)
                 errors = 0
+            except KVUnavailable as e:
+                # An outage: nothing can be seen, so nothing is concluded; the workers
+                # keep running (what needs the backend waits for it, elsewhere).
+                self._note_outage(e)
+                change = None
             except KVError as e:
                 errors += 1
                 logger.warning("rendezvous (%s/%s): %s", errors, self.t.keep_alive_max_attempt, e)
-                # A backend that stays unreachable (a c10d host that died) is a lost
+                # A backend that keeps refusing (a c10d host that died) is a lost
                 # world: waiting on it would hang the job.
-                change = WorldChange(CHANGE_LOST, f"the rendezvous backend is unreachable: {e}") \
+                change = WorldChange(CHANGE_LOST, f"the rendezvous backend failed: {e}") \
                     if errors >= self.t.keep_alive_max_attempt else None
             if change is not None and self._monitor_round == world.round:
                 self._signal(change)
                 return
-            self._wake.wait(self.monitor_poll if errors == 0 else self.safety_poll)
+            self._wake.wait(self.monitor_poll if errors == 0 and self.outage_s() == 0
+                            else self.safety_poll)
 
     def check_world(self, world: World, ids: set[str] | None = None) -> WorldChange | None:
         """What changed since ``world`` formed, or None."""
         ids = ids if ids is not None else {m.id for m in world.participants}
-        if self._lease_lost.is_set():
-            return WorldChange(CHANGE_LOST, "this node's rendezvous lease expired")
+        if self._broken is not None:
+            return WorldChange(CHANGE_LOST, f"the rendezvous backend failed: {self._broken}")
         state, _ = self.read_state()
         if state is None:
             return WorldChange(CHANGE_LOST, "the rendezvous state disappeared")
@@ -558,32 +730,49 @@ class Membership:
     def report_failure(self, detail: str, final: bool = False) -> bool:
         """This member's workers failed: mark the current round failed, so every
         member restarts (or, ``final``, stops). False if the round is not ours any
-        more (stale)."""
+        more (stale), or if the backend is unreachable: the report is then delivered
+        by the next :meth:`join`, or by :meth:`close` (which waits for the backend up
+        to ``outage_timeout``), unless the round has moved on by then."""
         if self.world is None:
             return False
+        self._pending_report = (self.world.round, f"node {self.id}: {detail}", final)
         try:
-            while True:
-                state, version = self.read_state()
-                if state is None or state["round"] != self.world.round or \
-                        state["phase"] != "closed":
-                    return False
-                if state.get("failed"):
-                    return True
-                state["failed"] = f"node {self.id}: {detail}"
-                state["final"] = final
-                state["failures"] = state.get("failures", 0) + 1
-                if self._write_state(version, state):
-                    return True
+            return self._deliver_report()
+        except KVUnavailable as e:
+            self._note_outage(e)
+            logger.warning("rendezvous: the failure report waits for the backend: %s", e)
         except KVError as e:
             logger.warning("rendezvous: cannot report the failure: %s", e)
+            self._pending_report = None
+        return False
+
+    def _deliver_report(self) -> bool:
+        """Write the pending failure report into its round, if that is still the
+        current one (KVUnavailable: it stays pending)."""
+        if self._pending_report is None:
             return False
+        rnd, detail, final = self._pending_report
+        while True:
+            state, version = self.read_state()
+            if state is None or state["round"] != rnd or state["phase"] != "closed":
+                self._pending_report = None
+                return False
+            if not state.get("failed"):
+                state["failed"] = detail
+                state["final"] = final
+                state["failures"] = state.get("failures", 0) + 1
+                if not self._write_state(version, state):
+                    continue
+            self._pending_report = None
+            return True
 
     def exit_barrier(self) -> WorldChange | None:
         """This member's workers succeeded: wait until every participant's did.
 
         Returns None when all are done (the round is then marked complete), or the
         change that ended the wait (a failure, a lost node). After
-        ``exit_barrier_timeout`` it gives up waiting and returns None, as torchrun does.
+        ``exit_barrier_timeout`` it gives up waiting and returns None, as torchrun does;
+        the same after waiting ``outage_timeout`` for an unreachable backend.
         """
         world = self.world
         if world is None:
@@ -591,13 +780,21 @@ class Membership:
         self._stop_monitor()
         ids = {m.id for m in world.participants}
         done_prefix = f"{self.p}r{world.round}/done/"
+        deadline = time.monotonic() + self.t.exit_barrier_timeout
+        marked = False
+        done: set[str] = set()
         try:
-            self.kv.put(done_prefix + self.id, "1")
             cancel = self.kv.watch_prefix(done_prefix, self._wake.set)
-            try:
-                deadline = time.monotonic() + self.t.exit_barrier_timeout
-                while True:
-                    self._wake.clear()
+        except KVError as e:
+            logger.warning("rendezvous exit barrier: %s", e)
+            return None
+        try:
+            while True:
+                self._wake.clear()
+                try:
+                    if not marked:
+                        self.kv.put(done_prefix + self.id, "1")
+                        marked = True
                     done = {k[len(done_prefix):] for k in self.kv.get_prefix(done_prefix)}
                     if ids <= done:
                         self._mark_complete(world)
@@ -608,16 +805,24 @@ class Membership:
                         if change.kind == CHANGE_COMPLETE:
                             return None
                         return change
-                    if time.monotonic() > deadline:
-                        logger.warning("exit barrier timed out after %ss; %s node(s) not done",
-                                       self.t.exit_barrier_timeout, len(ids - done))
+                except KVUnavailable as e:
+                    self._note_outage(e)
+                    if self.outage_s() > self.t.outage_timeout:
+                        logger.warning("exit barrier: %s; this node's workers succeeded, "
+                                       "leaving without the others", self.outage_error(e))
                         return None
-                    self._wake.wait(min(self.safety_poll, 1.0))
-            finally:
-                cancel()
-        except KVError as e:
-            logger.warning("rendezvous exit barrier: %s", e)
-            return None
+                except KVError as e:
+                    logger.warning("rendezvous exit barrier: %s", e)
+                    return None
+                if time.monotonic() > deadline:
+                    logger.warning("exit barrier timed out after %ss; %s",
+                                   self.t.exit_barrier_timeout,
+                                   "the rendezvous backend is unreachable" if not marked
+                                   else f"{len(ids - done)} node(s) not done")
+                    return None
+                self._wake.wait(min(self.safety_poll, 1.0))
+        finally:
+            cancel()
 
     def _mark_complete(self, world: World) -> None:
         state, version = self.read_state()
@@ -640,7 +845,8 @@ class Membership:
     def compare_and_swap_generation(self, expected: int, participants: list[Member],
                                     spares: list[Member] | None = None) -> bool:
         """Publish a new world as generation ``expected + 1`` if the current one is
-        ``expected`` (the fencing token); False if another writer got there first."""
+        ``expected`` (the fencing token); False if another writer got there first.
+        KVError if the backend cannot tell (KVUnavailable: try again when it is back)."""
         def update(state: dict[str, Any]) -> None:
             state["participants"] = [m.to_json() for m in participants]
             if spares is not None:
@@ -654,7 +860,9 @@ class Membership:
         (member ids, in node rank order): they become the participants, a spare node
         among them leaves the redundancy list, and ``placement`` (rank -> node, the
         store, the replaced ranks) is stored as the state's ``resilient`` document.
-        False if the generation is no longer ``expected``."""
+        False if the generation is no longer ``expected``; KVError if the backend
+        cannot tell (KVUnavailable: nothing was written, or it is as if nothing was:
+        the outcome is read back when the backend returns)."""
         def update(state: dict[str, Any]) -> None:
             spares = state.get("spares", [])
             members = {d["id"]: d for d in state["participants"] + spares}
@@ -667,24 +875,22 @@ class Membership:
     def _swap_generation(self, expected: int,
                          update: Callable[[dict[str, Any]], None]) -> bool:
         """One compare-and-swap of the state from generation ``expected`` to the next,
-        with ``update`` applied to it; False if the state moved on (or cannot be read)."""
-        try:
-            state, version = self.read_state()
-            if state is None or state.get("generation") != expected or \
-                    state["phase"] != "closed" or \
-                    (self.world is not None and state["round"] != self.world.round):
-                return False
-            update(state)
-            state["generation"] = expected + 1
-            return self._write_state(version, state)
-        except KVError as e:
-            logger.warning("rendezvous: generation swap failed: %s", e)
+        with ``update`` applied to it; False if the state moved on. A KVError (the
+        backend unreachable, or refusing) is raised: it is not a lost race."""
+        state, version = self.read_state()
+        if state is None or state.get("generation") != expected or \
+                state["phase"] != "closed" or \
+                (self.world is not None and state["round"] != self.world.round):
             return False
+        update(state)
+        state["generation"] = expected + 1
+        return self._write_state(version, state)
 
     def set_parked(self, count: int) -> None:
         """Publish how many spares this member has parked (with its lease: a dead
-        member's count vanishes with it)."""
-        self.kv.put(f"{self.p}parked/{self.id}", str(count), self._lease)
+        member's count vanishes with it). If the put fails, the keep-alive thread
+        puts the latest count when the backend answers again (KVError still raised)."""
+        self._put_leased(f"{self.p}parked/{self.id}", str(count))
 
     def parked_counts(self) -> dict[str, int]:
         n = len(self.p + "parked/")
@@ -731,17 +937,23 @@ class Membership:
         self._drain()
 
     @property
-    def lease_lost(self) -> bool:
-        return self._lease_lost.is_set()
+    def broken(self) -> str | None:
+        """Why the backend refuses this member (keep-alives refused), or None."""
+        return self._broken
 
     # ------------------------------------------------------------------ round-scoped keys
 
     def put_round_key(self, name: str, value: str) -> None:
+        """Put a round-scoped key (waiting for an unreachable backend, see
+        :meth:`until_reachable`)."""
         assert self.world is not None
-        self.kv.put(f"{self.p}r{self.world.round}/{name}", value)
+        key = f"{self.p}r{self.world.round}/{name}"
+        self.until_reachable(lambda: self.kv.put(key, value))
 
     def wait_round_key(self, name: str, timeout: float) -> str:
-        """The value of a round-scoped key, waiting for it to appear."""
+        """The value of a round-scoped key, waiting for it to appear (``timeout``; time
+        spent waiting for an unreachable backend does not count, ``outage_timeout``
+        bounds it)."""
         assert self.world is not None
         key = f"{self.p}r{self.world.round}/{name}"
         deadline = time.monotonic() + timeout
@@ -750,10 +962,16 @@ class Membership:
             delay = 0.02
             while True:
                 self._wake.clear()
-                value, _ = self.kv.get(key)
-                if value is not None:
-                    return value
-                state, _ = self.read_state()
+                try:
+                    value, _ = self.kv.get(key)
+                    if value is not None:
+                        return value
+                    state, _ = self.read_state()
+                except KVUnavailable as e:
+                    t0 = time.monotonic()
+                    self._wait_for_backend(e)
+                    deadline += time.monotonic() - t0
+                    continue
                 if state is None or state["round"] != self.world.round:
                     raise RendezvousError("the round moved on before node 0 published its store")
                 if time.monotonic() > deadline:
@@ -782,10 +1000,33 @@ class Membership:
         except KVError:
             return
 
+    def _flush_report(self) -> None:
+        told = False
+        while self._pending_report is not None:
+            try:
+                self._deliver_report()
+            except KVUnavailable as e:
+                if self.outage_s() > self.t.outage_timeout:
+                    logger.error("the other nodes were not told of this node's failure: %s",
+                                 self.outage_error(e))
+                    return
+                if not told:
+                    told = True
+                    logger.warning("waiting for the rendezvous backend to tell the other "
+                                   "nodes of this node's failure (outage_timeout=%gs): %s",
+                                   self.t.outage_timeout, e)
+                time.sleep(_OUTAGE_RETRY)
+            except KVError as e:
+                logger.warning("rendezvous: cannot report the failure: %s", e)
+                return
+
     def close(self) -> None:
-        """Leave: revoke the lease (the others see this member gone at once)."""
+        """Leave: deliver a pending failure report (waiting for an unreachable backend
+        up to ``outage_timeout``: the other nodes must hear of it), then revoke the
+        lease (the others see this member gone at once)."""
         if self._closed.is_set():
             return
+        self._flush_report()
         self._closed.set()
         self._wake.set()
         self._stop_monitor()

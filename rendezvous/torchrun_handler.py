@@ -84,7 +84,10 @@ class EtcdV3TorchrunHandler(RendezvousHandler):
     def set_closed(self) -> None:
         world = self._m.world
         if world is not None:
-            self._m._mark_complete(world)
+            try:
+                self._m._mark_complete(world)
+            except KVError as e:
+                logger.warning("rendezvous: cannot mark the job complete: %s", e)
 
     def num_nodes_waiting(self) -> int:
         try:

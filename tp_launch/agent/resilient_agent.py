@@ -39,6 +39,25 @@ Each recovery is one JSON line in ``<run log dir>/recovery.jsonl`` (a write that
 a full disk, costs the line, not the job) and one line on the console (multi-node: on
 every node, with that node's ranks' timings). A spare's output goes to its own log files
 (:mod:`tp_launch.procs.logs`) and reaches the console only once it takes a rank.
+
+Multi-node, with the rendezvous backend unreachable (an etcd restart: see
+:mod:`rendezvous.membership`, "Outages"): the workers keep running and nothing is
+concluded. What a node can do alone it does (a dead parked spare is replaced). A rank
+that dies needs the other nodes (every rank rebuilds the group in the new generation,
+and they hear of it only through the backend), and a generation exists only once its
+compare-and-swap succeeded: announcing g+1 to this node's ranks before that could let
+two nodes announce two different g+1. So the decision is deferred
+(:meth:`ResilientAgent._defer`; a publish that could not reach the backend is never
+taken for another node's win), this node's surviving ranks are told to wait, and the
+generation goes out when the backend answers; if another node published first
+meanwhile, its generation is applied, which gives this node's dead ranks this node's
+spares. Ranks of other nodes give up waiting for the generation after ``_RANK_WAIT_S``
+and fail together at one step: while the backend is (or lately was) unreachable, that
+is not a crash loop, and they get spares like any dead rank. Past ``outage_timeout`` a
+deferred recovery ends the job with one error line (exit 1); ranks that all finished
+training are let go (every rank took part in the last step's collectives). A rank gone
+before the exit barrier is never a success: the agent exits 0 only after the barrier
+(or when a plain script's ranks all exited 0).
 """
 
 from __future__ import annotations
@@ -54,7 +73,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from rendezvous import RendezvousInfo
+from rendezvous import RendezvousError, RendezvousInfo
+from rendezvous.kv import KVError, KVUnavailable
 from rendezvous.membership import CHANGE_FAILURE, CHANGE_LOST, WorldChange
 from tp_launch import channel
 from tp_launch.agent.control import CrashLoop, Generation, SpareRestarts, World, place
@@ -77,6 +97,11 @@ _SPARE_EXIT_S = 5.0
 _MIGRATION_MARGIN = 2
 # Multi-node: seconds between two reads of the job's state when no watch poked.
 _VIEW_POLL_S = 2.0
+# How long a rank whose collective failed waits for its agent's next generation before
+# it fails with an error (tp_launch.resilient.runtime.RECOVERY_WAIT_S). Ranks that gave
+# up because the rendezvous backend was down meanwhile fail together, at one step: that
+# is not a crash loop.
+_RANK_WAIT_S = 60.0
 
 
 @dataclass
@@ -155,6 +180,11 @@ class ResilientAgent(NodeAgent):
         self._recovery: Recovery | None = None
         self._waiting: dict[int, str] = {}  # rank -> lost node, waiting for a spare
         self._wait_deadline = 0.0
+        # rank -> node: a recovery decided while the backend was unreachable, waiting
+        # for it to be published (multi-node; see _defer).
+        self._deferred: dict[int, str] = {}
+        self._deferred_since = 0.0
+        self._outage_seen = -1e9  # monotonic: the last time the backend was unreachable
         self._unplaced: list[int] = []  # ranks of this node whose spare has not parked yet
         self._finished: set[int] = set()
         self._exiting = False
@@ -415,30 +445,43 @@ class ResilientAgent(NodeAgent):
             self._spawn_missing_spares()  # a spare whose backoff delay is over
             ranks_alive = [s for s in self._world.slot_of.values() if self._alive(s)]
             if not ranks_alive and not self._waiting and not self._unplaced and \
-                    (self._world.slot_of or self._exiting):
+                    not self._deferred and \
+                    (self._exiting or (self._world.slot_of and not self._resilient)):
+                # Every rank exited 0: after the exit barrier, or a plain script's ranks.
+                # (A resilient rank gone before the barrier is a failure being
+                # recovered, never a success: its generation may still be on its way.)
                 self._ended = self._exiting
                 if not self._resilient:
                     self._say_unused()  # a plain script's ranks all exited 0
-                return AttemptResult()  # every rank exited 0 after the exit barrier
+                return AttemptResult()
 
     def _on_world_change(self) -> None:
         """Multi-node: act on what the job's state says now."""
         assert isinstance(self._gens, SharedGenerations)
         self._last_view = time.monotonic()
-        view = self._gens.view()
+        try:
+            self._gens.flush()
+            view = self._gens.view()
+        except KVUnavailable as e:
+            self._outage_seen = time.monotonic()
+            self._backend_unreachable(e)
+            return
         if view is None:
             return
-        if view.lease_lost:
-            # The others count this node as dead and move its ranks: leave, rejoin.
+        if view.broken:
+            # The backend refuses this node (not an outage): its world is lost.
             stop_workers(self.workers, signal.SIGTERM, self.config.shutdown_timeout)
             raise StopJob(AttemptResult(change=WorldChange(
-                CHANGE_LOST, "this node's rendezvous lease expired")), final=False)
+                CHANGE_LOST, f"the rendezvous backend failed: {view.broken}")), final=False)
         if view.failed and not self._exiting:
             stop_workers(self.workers, signal.SIGTERM, self.config.shutdown_timeout)
             raise StopJob(AttemptResult(change=WorldChange(CHANGE_FAILURE, view.failed)),
                           final=view.final)
         g = view.generation
         if g.gen > self._world.gen:
+            # (A deferred recovery is void: applying g gave this node's dead ranks
+            # its parked spares; lost nodes are looked at again below.)
+            self._deferred = {}
             self._apply(g, time.time())
         if view.complete or (g.nodes and view.all_finished()):
             if not self._exiting:
@@ -454,8 +497,47 @@ class ResilientAgent(NodeAgent):
                 logger.warning("node(s) %s lost (lease expired): moving rank(s) %s", lost,
                                sorted(moving))
             self._recover(moving, time.time(), view)
-        elif self._waiting and not self._exiting:
-            self._recover({}, self._waiting_since, view)  # a spare may have parked elsewhere
+        elif (self._waiting or self._deferred) and not self._exiting:
+            # A spare may have parked elsewhere; a deferred generation can go out now.
+            self._recover({}, self._waiting_since if self._waiting else self._deferred_since,
+                          view)
+
+    def _backend_unreachable(self, e: KVError) -> None:
+        """Multi-node, the backend cannot be reached: the workers keep running; what
+        waits for the backend waits up to ``outage_timeout``. Past it, a deferred
+        recovery ends the job (RendezvousError: one line); ranks that all finished
+        training are let go without the other nodes' word (every rank took part in
+        the last step's collectives, so every rank finished)."""
+        gens = self._gens
+        assert isinstance(gens, SharedGenerations)
+        if gens.outage_s() <= gens.outage_timeout:
+            return
+        if self._deferred:
+            raise RendezvousError(f"rank(s) {sorted(self._deferred)} lost their process and "
+                                  f"{gens.outage_error(e)}")
+        if gens.finish_pending and not self._exiting:
+            logger.warning("this node's ranks finished training, and %s: they exit without "
+                           "waiting for the other nodes", gens.outage_error(e))
+            self._end_job()
+
+    def _defer(self, lost: dict[int, str], detected: float, e: KVError) -> None:
+        """The generation for ``lost`` cannot be published now (backend unreachable):
+        keep the decision's inputs and try again when the backend answers (every
+        view). Nothing is announced meanwhile: a generation exists only once its
+        compare-and-swap succeeded, so two nodes never announce different ones.
+        This node's surviving ranks are told to wait for it without their own limit."""
+        assert isinstance(self._gens, SharedGenerations)  # a local publish cannot fail
+        self._outage_seen = time.monotonic()
+        if not self._deferred:
+            self._deferred_since = detected
+            logger.warning("rank(s) %s lost their process while the rendezvous backend is "
+                           "unreachable; the new generation waits for it (outage_timeout="
+                           "%gs): %s", sorted(lost), self._gens.outage_timeout, e)
+            for rank, slot in self._world.slot_of.items():
+                if rank not in lost:
+                    self._tell(slot, {"op": "recovering"})
+        self._deferred = dict(lost)
+        self._backend_unreachable(e)
 
     def _on_exits(self, exited: list[Proc]) -> None:
         now = time.time()
@@ -480,6 +562,10 @@ class ResilientAgent(NodeAgent):
             # after every rank finished): torchrun's way.
             result = self._fail([p.worker for p in failures], self._rank_map())
             raise StopJob(result, final=False)
+        # Ranks may have waited for a generation that only the unreachable backend could
+        # bring, and given up: their errors say nothing about the script.
+        blame_backend = isinstance(self._gens, SharedGenerations) and (
+            self._gens.outage_s() > 0 or time.monotonic() - self._outage_seen < _RANK_WAIT_S + 5)
         for proc in failures:
             logger.warning("rank %s (pid %s) failed with exit code %s; replacing it",
                            self._slot_rank(proc.slot), proc.worker.pid, proc.worker.returncode)
@@ -487,7 +573,7 @@ class ResilientAgent(NodeAgent):
             if self._first_failure is None:
                 self._first_failure = f
             step = self._board.read(proc.slot)
-            if self._crash.is_loop(proc.worker.returncode or 0, step):
+            if not blame_backend and self._crash.is_loop(proc.worker.returncode or 0, step):
                 logger.error("rank %s failed again at step %s with exit code %s: a crash "
                              "loop, not a machine failure; stopping the job",
                              f.rank, step, f.exitcode)
@@ -567,30 +653,42 @@ class ResilientAgent(NodeAgent):
         lost node's): publish a generation that gives each a parked spare. ``view``:
         the job's state if the caller has just read it (multi-node)."""
         world, g = self._world, self._gen
-        lost = {**self._waiting, **lost}
+        lost = {**self._waiting, **self._deferred, **lost}
         if not lost:
             return
         local = [r for r, n in lost.items() if n == world.node]
-        ranks: dict[int, str] | None = g.ranks  # this node's spares take its dead ranks
-        if len(local) < len(lost) or len(world.parked) < len(lost):
-            ranks = self._place(lost, view)
-        if ranks is None:
-            self._no_spare(lost, detected)
-            return
         elsewhere = [r for r, n in g.ranks.items() if r not in lost and n != world.node]
         if not elsewhere and not self._holders - set(lost):
             self._state_lost(f"rank(s) {sorted(lost)} failed and no other rank held the "
                              "training state")
-        failed = [self._failed_record(r) if r in local else {"rank": r, "node": n}
-                  for r, n in sorted(lost.items())]
-        reason = "failure" if local else "node loss"
-        new = Generation(g.gen + 1, ranks, self._gens.store, sorted(lost), reason)
-        if self._gens.publish(new):
+        try:
+            ranks: dict[int, str] | None = g.ranks  # this node's spares take its dead ranks
+            if len(local) < len(lost) or len(world.parked) < len(lost):
+                ranks = self._place(lost, view)
+            if ranks is not None:
+                failed = [self._failed_record(r) if r in local else {"rank": r, "node": n}
+                          for r, n in sorted(lost.items())]
+                reason = "failure" if local else "node loss"
+                new = Generation(g.gen + 1, ranks, self._gens.store, sorted(lost), reason)
+                published = self._gens.publish(new)
+        except KVUnavailable as e:
+            self._defer(lost, detected, e)
+            return
+        except KVError as e:  # a refusal, not an outage (a c10d store whose host died)
+            raise RendezvousError(f"rank(s) {sorted(lost)} lost their process and the "
+                                  f"rendezvous backend failed: {e}") from None
+        self._deferred = {}
+        if ranks is None:
+            self._no_spare(lost, detected)
+            return
+        if published:
             self._waiting = {}
             self._holders -= set(lost)
             self._apply(new, detected, failed)
-        # else another node published first: its generation comes through the view,
-        # and applying it gives this node's dead ranks this node's spares.
+        else:
+            # Another node published first: read its generation now; applying it gives
+            # this node's dead ranks this node's spares.
+            self._last_view = 0.0
 
     def _place(self, lost: dict[int, str], view: View | None) -> dict[int, str] | None:
         """Homes for ``lost`` ranks, nodes tried in this order: this node for its own
@@ -727,8 +825,11 @@ class ResilientAgent(NodeAgent):
         boundary = max(steps) + _MIGRATION_MARGIN
         old = self._procs[world.slot_of[rank]].worker.pid
         new = Generation(g.gen + 1, g.ranks, self._gens.store, [rank], "migration", boundary)
-        if not self._gens.publish(new):
-            return "error: the job's generation changed meanwhile; try again"
+        try:
+            if not self._gens.publish(new):
+                return "error: the job's generation changed meanwhile; try again"
+        except KVError as e:
+            return f"error: the rendezvous backend cannot publish the migration: {e}"
         self._apply(new, time.time(), [{"rank": rank, "slot": world.slot_of[rank], "pid": old}])
         pid = self._procs[world.slot_of[rank]].worker.pid
         logger.warning("migrating rank %s from pid %s to pid %s at step %s", rank, old, pid,
