@@ -88,13 +88,16 @@ class Config:
     # the smoke test should not wait the full timeout for that known outcome.
     torchrun_restart_timeout_s: float = 0.0
     init_timeout_s: float = 60.0  # a restarted torchrun group stuck in init gives up
-    step_sleep: float = 0.0  # quick only: a tiny model's steps outrun the 10 ms poll
+    # quick only: a tiny model's steps outrun the 10 ms poll, and the job must outlast
+    # the start of tp-run's spare (it starts once the ranks reach run(): an import of
+    # torch, seconds on a loaded machine) or the kill waits for a spare that never parks.
+    step_sleep: float = 0.0
 
     @classmethod
     def quick(cls) -> Config:
         return cls(nproc=2, steps=30, failures=1, ckpt_every=5, width=64, depth=2,
                    timeout_s=90.0, torchrun_restart_timeout_s=40.0, init_timeout_s=15.0,
-                   step_sleep=0.03)
+                   step_sleep=0.3)
 
 
 def schedule(cfg: Config) -> list[tuple[int, int]]:
