@@ -5,7 +5,8 @@ with wrong or diverged replicas and exit 0, and what tp-run does instead: every 
 holding the state dies at once (the spare policy, never a start from step 0), replicas
 that diverge (a loud stop naming the rank), a loop of earlier versions (one line), a
 checkpoint loaded before run() (kept, no hidden flag), a planned migration during a
-loop with a scheduler (exact, every step logged once).
+loop with a scheduler (exact, every step logged once), a rank lost after the last step
+while the others are at different points of their end (no false divergence).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import HANG_TIMEOUT, TORCHRUN, TP_RUN, run_launcher, start_launcher
+from tests.conftest import HANG_TIMEOUT, TORCHRUN, TP_RUN, Live, run_launcher, start_launcher
 
 SCRIPT = "scripts/loops.py"
 
@@ -150,3 +151,28 @@ def test_planned_migration_inside_a_loop_with_a_scheduler(workdir, test_env):
     entries = [line.split() for f in out.glob("entry_*") for line in f.read_text().splitlines()]
     assert ["1", "6"] in entries or ["1", "7"] in entries  # the spare entered at the boundary
 
+
+
+def test_a_rank_lost_after_the_last_step_while_another_still_commits_it(workdir, test_env):
+    """Rank 1 dies after its last step; rank 2 has returned from train(); rank 0 is still
+    inside the last iteration and learns of the failure at its commit. Same training
+    state on all three (one has 'ended', one not): the recovery goes on, exactly."""
+    env = plain_env(test_env)
+    proc, ref = launch(TORCHRUN, workdir, env, "ref", ["--nproc-per-node", "3"],
+                       ["--steps", "8", "--no-resilient"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = workdir / "out"
+    out.mkdir()
+    job = Live(TP_RUN, ["--nproc-per-node", "3", "--spares", "1", SCRIPT, "--steps", "8",
+                        "--fault", "1:7:end", "--hold-at", "7", "--hold-rank", "0"],
+               {**test_env, "OUT": str(out), "OMP_NUM_THREADS": "1"}, workdir)
+    try:
+        job.wait_for(r"rank 1 \(pid \d+\) failed with exit code -9; replacing it")
+        time.sleep(1.0)  # the new generation reaches rank 0's channel
+        (out / "release").touch()
+        rc, _, err = job.finish()
+    finally:
+        job.kill()
+    assert rc == 0, err[-3000:]
+    assert "do not match" not in err
+    assert digests(out, 3) == digests(ref, 3)

@@ -67,6 +67,27 @@ def test_break_settles_at_the_next_boundary():
     assert list(state.steps(10)) == []
 
 
+def test_digest_is_the_training_state_not_whether_train_returned():
+    """Two ranks at the last step, one told of a failure at its last commit (train() did
+    not return), one already past state.end(): the same state, the same digest (the
+    replicas' check after the recovery must not call them diverged)."""
+    model = torch.nn.Linear(2, 2)
+    late, done = State(model=model), State(model=model)
+    for _ in late.steps(3):
+        pass
+    for _ in done.steps(3):
+        pass
+    done.end()
+    assert done.cursor.ended and not late.cursor.ended
+    assert late.digest(buffers=False) == done.digest(buffers=False)
+    before = late.digest()
+    with torch.no_grad():
+        model.weight[0, 0] += 1.0
+    assert late.digest() != before
+    done.cursor.step += 1
+    assert late.digest() != done.digest()
+
+
 def test_epochs_and_batches_resume_mid_epoch_with_the_same_data():
     data = [f"b{i}" for i in range(5)]
 

@@ -67,6 +67,7 @@ p.add_argument("--old-style", action="store_true",
                help="the loop of earlier versions: range(state.step, n), no state.steps()")
 p.add_argument("--hold-at", type=int, default=-1,
                help="after this step, each rank writes $OUT/held_<rank> and waits for $OUT/release")
+p.add_argument("--hold-rank", type=int, default=-1, help="with --hold-at: only this rank holds")
 args = p.parse_args()
 S = STYLES[args.style]
 OUT = os.environ["OUT"]
@@ -246,7 +247,7 @@ def train(state: resilient.State) -> int:
 
 
 def hold(step: int, rank: int) -> None:
-    if step == args.hold_at and once(f"hold_{rank}"):
+    if step == args.hold_at and args.hold_rank in (-1, rank) and once(f"hold_{rank}"):
         open(os.path.join(OUT, f"held_{rank}"), "w").close()
         while not os.path.exists(os.path.join(OUT, "release")):
             time.sleep(0.05)

@@ -335,7 +335,10 @@ class State:
         on two ranks exactly when their states are bit-identical. ``buffers=False``
         leaves out the modules' buffers, which differ between DDP ranks between two
         forward passes (each rank's BatchNorm statistics are its own until DDP
-        broadcasts rank 0's)."""
+        broadcasts rank 0's). The cursor's ``ended`` is left out: it says whether
+        ``train`` returned on this rank, which ranks at the same last step may differ in
+        (one was told of a failure at its last commit, another had already returned)
+        with the same training state."""
         objects = {}
         for name, obj in self.objects.items():
             sd = obj.state_dict()
@@ -343,7 +346,8 @@ class State:
                 own = {n for n, _ in obj.named_buffers()}
                 sd = {k: v for k, v in sd.items() if k not in own}
             objects[name] = sd
-        tree = {"cursor": {k: v for k, v in self.cursor.to_tree().items() if k != "pass_rng"},
+        tree = {"cursor": {k: v for k, v in self.cursor.to_tree().items()
+                           if k not in ("pass_rng", "ended")},
                 "extra": self.extra, "objects": objects}
         return digest_tree(tree)
 
