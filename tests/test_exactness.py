@@ -112,15 +112,18 @@ def test_checkpoint_loaded_before_run_is_kept(workdir, test_env):
     assert "5" in first_entries and "0" not in first_entries  # started at the checkpoint
 
 
-def test_planned_migration_inside_a_loop_with_a_scheduler(workdir, test_env):
+@pytest.mark.parametrize("steps", [12, 5], ids=["boundary-inside", "loop-ends-first"])
+def test_planned_migration_inside_a_loop_with_a_scheduler(workdir, test_env, steps):
+    """Held in step 4, rank 1 is migrated: the boundary is two steps on. With 5 steps
+    the loop ends before it: the migration still happens (after the end), nothing hangs."""
     env = plain_env(test_env)
     proc, ref = launch(TORCHRUN, workdir, env, "ref", ["--nproc-per-node", "2"],
-                       ["--steps", "12", "--no-resilient"])
+                       ["--steps", str(steps), "--no-resilient"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = workdir / "out"
     out.mkdir()
     job = start_launcher(TP_RUN, ["--nproc-per-node", "2", "--spares", "1",
-                                  SCRIPT, "--steps", "12", "--hold-at", "4"],
+                                  SCRIPT, "--steps", str(steps), "--hold-at", "4"],
                          {**test_env, "OUT": str(out), "OMP_NUM_THREADS": "1"}, workdir)
     try:
         deadline = time.monotonic() + HANG_TIMEOUT

@@ -481,8 +481,9 @@ class ResilientAgent(NodeAgent):
         if g.gen > self._world.gen:
             # (A deferred recovery is void: applying g gave this node's dead ranks
             # its parked spares; lost nodes are looked at again below.)
+            detected = self._deferred_since if self._deferred else time.time()
             self._deferred = {}
-            self._apply(g, time.time())
+            self._apply(g, detected)
         if view.complete or (g.nodes and view.all_finished()):
             if not self._exiting:
                 self._gens.mark_complete()
@@ -734,6 +735,10 @@ class ResilientAgent(NodeAgent):
         """Take generation ``g`` on this node and announce it to this node's ranks."""
         world = self._world
         before = dict(world.slot_of)
+        # This node's dead ranks: another node's generation gives them this node's
+        # spares even where it was decided without this node's word (an outage).
+        dead_here = {r: self._failed_record(r) for r, s in before.items()
+                     if not self._alive(s)}
         placed = world.apply(g, self._alive)
         self._gen = g
         self._unplaced = placed.unplaced
@@ -760,7 +765,10 @@ class ResilientAgent(NodeAgent):
             self._write_status()
             return
         if failed is None:  # another node decided: its record has the details
-            failed = [{"rank": r} for r in g.replaced]
+            failed = sorted([dead_here.get(r, {"rank": r}) for r in g.replaced]
+                            + [dead_here[r] for r in placed.promoted
+                               if r in dead_here and r not in g.replaced],
+                            key=lambda f: f["rank"])
         if superseded is not None:
             detected = min(detected, superseded.detected)
             failed = superseded.failed + [f for f in failed
