@@ -152,8 +152,8 @@ def test_planned_migration_inside_a_loop_with_a_scheduler(workdir, test_env, ste
         assert sorted((out / f"loss_{rank}.log").read_text().splitlines()) == \
             sorted((ref / f"loss_{rank}.log").read_text().splitlines())
     entries = [line.split() for f in out.glob("entry_*") for line in f.read_text().splitlines()]
-    assert ["1", "6"] in entries or ["1", "7"] in entries  # the spare entered at the boundary
-
+    # The spare entered at the boundary (two steps past the held step 4), or at the end.
+    assert ["1", str(min(6, steps))] in entries or ["1", str(min(7, steps))] in entries
 
 
 def test_a_rank_lost_after_the_last_step_while_another_still_commits_it(workdir, test_env):
