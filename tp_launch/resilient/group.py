@@ -87,6 +87,18 @@ def teardown() -> None:
     gc.collect()  # DDP and the old group's work objects sit in reference cycles
 
 
+def let_go() -> None:
+    """Before this process exits with the script's error: destroy the group, and give
+    gloo's worker threads the moment they need to drop the collectives they finished.
+    Dropping one takes the GIL (its thread-local state holds Python objects); a thread
+    still waiting for the GIL when the interpreter finalizes is ended there, inside a
+    destructor, and the process dies of SIGABRT ("terminate called without an active
+    exception") instead of exiting 1; the agent then takes the script's bug for a
+    machine failure (a crash loop goes unnoticed)."""
+    teardown()
+    time.sleep(0.2)  # the GIL released: waiting threads take it in turn
+
+
 def abort_nccl() -> None:
     """Abort every NCCL communicator of the current group, from any thread."""
     if not dist.is_initialized():

@@ -267,6 +267,7 @@ class _Runner:
                 sys.exit(0)
             gen = announced
             link.current_gen = gen.gen
+            script_error: Exception | None = None
             try:
                 if gen.rank is None:
                     self._retire(gen)  # not a rank in this generation
@@ -284,9 +285,16 @@ class _Runner:
                 self._fatal(gen, e)
             except Exception as e:
                 if not _is_communication_error(e) and not link.stale():
-                    raise
-                logger.info("rank %s: %s: %s; moving to the next generation",
-                            gen.rank, type(e).__name__, e)
+                    script_error = e
+                else:
+                    logger.info("rank %s: %s: %s; moving to the next generation",
+                                gen.rank, type(e).__name__, e)
+            if script_error is not None:
+                # The script's own error ends this process: with exit 1, never a
+                # SIGABRT from gloo's threads at the interpreter's exit (a signal death
+                # is a machine failure to the agent, not the script's bug).
+                group.let_go()
+                raise script_error
             # Out of the except block the traceback is gone, and with it the frames
             # that held DDP and the old group: teardown can now really drop the group,
             # which is what releases the peers still blocked in it (gloo).
