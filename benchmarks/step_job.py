@@ -6,7 +6,9 @@
 same loop through resilient mode (``resilient.State``, ``for step in state.steps(N)``,
 ``resilient.run``), exact across recoveries with DDP's own all-reduce. ``ordered``: the
 resilient loop with the ``ordered_allreduce_hook`` that earlier versions needed for
-exact results. Rank 0 writes every step's wall time (after a warm-up) to FILE as JSON.
+exact results. Rank 0 writes every step's wall time (after a warm-up) to FILE as JSON,
+and the time the loop itself took between one body's end and the next one's start
+(``boundary``: tp-run's commit in resilient mode, ``range``'s next in plain mode).
 """
 
 from __future__ import annotations
@@ -35,16 +37,27 @@ model = nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(WIDTH, WIDT
 opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
 
 
-def train(steps) -> list[float]:  # type: ignore[no-untyped-def]
+def train(steps) -> tuple[list[float], list[float]]:  # type: ignore[no-untyped-def]
     ddp = DDP(model)
     if args.mode == "ordered":
         from tp_launch.resilient import ordered_allreduce_hook
 
         ddp.register_comm_hook(None, ordered_allreduce_hook)
     rank = dist.get_rank()
-    times = []
-    t0 = time.perf_counter()
+    if args.mode != "plain":
+        # Steady state: the spare (started once the ranks reach run()) has parked. Its
+        # start, a few CPU-seconds once per job, would otherwise fall in the timed steps
+        # and, on a machine with a core per rank, slow them as any process would.
+        from tp_launch.resilient import parked_spares
+
+        deadline = time.monotonic() + 300
+        while parked_spares() < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    times, boundary = [], []
+    t0 = t1 = time.perf_counter()
     for step in steps:
+        # From the end of the previous body to here: the loop's own cost (the commit).
+        boundary.append(time.perf_counter() - t1)
         g = torch.Generator().manual_seed(step * 100 + rank)
         x = torch.randn(32, WIDTH, generator=g)
         loss = ddp(x).square().mean()
@@ -54,21 +67,23 @@ def train(steps) -> list[float]:  # type: ignore[no-untyped-def]
         t1 = time.perf_counter()
         times.append(t1 - t0)
         t0 = t1
-    # The last step's time includes the commit, which runs when the loop resumes.
-    return times[args.warmup:]
+    # A step's time includes the commit of the step before, which runs when the loop
+    # resumes.
+    return times[args.warmup:], boundary[args.warmup + 1:]
 
 
 if args.mode == "plain":
     dist.init_process_group("gloo")
-    times = train(range(args.steps))
+    times, boundary = train(range(args.steps))
 else:
     from tp_launch import resilient
 
     state = resilient.State(model=model, optimizer=opt)
-    box: list[list[float]] = []
+    box: list[tuple[list[float], list[float]]] = []
     resilient.run(lambda s: box.append(train(s.steps(args.steps))), state)
-    times = box[0]
+    times, boundary = box[0]
 if dist.get_rank() == 0:
     with open(args.out, "w") as f:
-        json.dump({"mode": args.mode, "world": dist.get_world_size(), "times": times}, f)
+        json.dump({"mode": args.mode, "world": dist.get_world_size(), "times": times,
+                   "boundary": boundary}, f)
 dist.destroy_process_group()
