@@ -77,7 +77,14 @@ from rendezvous import RendezvousError, RendezvousInfo
 from rendezvous.kv import KVError, KVUnavailable
 from rendezvous.membership import CHANGE_FAILURE, CHANGE_LOST, WorldChange
 from tp_launch import channel
-from tp_launch.agent.control import CrashLoop, Generation, SpareRestarts, World, place
+from tp_launch.agent.control import (
+    CrashLoop,
+    Generation,
+    SpareRestarts,
+    World,
+    failures_served,
+    place,
+)
 from tp_launch.agent.control_server import Conn, ControlServer
 from tp_launch.agent.generations import LocalGenerations, SharedGenerations, View
 from tp_launch.agent.failures import ProcessFailure
@@ -765,10 +772,7 @@ class ResilientAgent(NodeAgent):
             self._write_status()
             return
         if failed is None:  # another node decided: its record has the details
-            failed = sorted([dead_here.get(r, {"rank": r}) for r in g.replaced]
-                            + [dead_here[r] for r in placed.promoted
-                               if r in dead_here and r not in g.replaced],
-                            key=lambda f: f["rank"])
+            failed = failures_served(g.replaced, dead_here, placed)
         if superseded is not None:
             detected = min(detected, superseded.detected)
             failed = superseded.failed + [f for f in failed
