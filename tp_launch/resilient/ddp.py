@@ -50,6 +50,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from tp_launch.resilient.group import all_gather_flat
+
 logger = logging.getLogger(__name__)
 
 
@@ -276,7 +278,7 @@ def ordered_allreduce_hook(process_group: object,
     world = dist.get_world_size(group)
     buf = bucket.buffer()
     gathered = torch.empty(world * buf.numel(), dtype=buf.dtype, device=buf.device)
-    fut = dist.all_gather_single(gathered, buf, group=group, async_op=True).get_future()
+    fut = all_gather_flat(gathered, buf, group, async_op=True).get_future()  # type: ignore[attr-defined]
 
     def reduce(f: "torch.futures.Future[list[torch.Tensor]]") -> torch.Tensor:
         f.value()  # re-raises the collective's error (a dead peer): never sum garbage

@@ -87,6 +87,15 @@ def teardown() -> None:
     gc.collect()  # DDP and the old group's work objects sit in reference cycles
 
 
+def all_gather_flat(output: torch.Tensor, input: torch.Tensor, group: object = None,
+                    async_op: bool = False) -> object:
+    """Every rank's ``input``, concatenated into ``output``: ``dist.all_gather_single``
+    where torch has it (2.13 deprecates ``all_gather_into_tensor`` for it), else
+    ``all_gather_into_tensor`` (torch 2.4 to 2.12, which tp-run supports)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, input, group=group, async_op=async_op)
+
+
 def let_go() -> None:
     """Before this process exits with the script's error: destroy the group, and give
     gloo's worker threads the moment they need to drop the collectives they finished.

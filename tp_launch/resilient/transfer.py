@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from tp_launch.resilient import per_rank, rng
 from tp_launch.resilient.ddp import Layouts
+from tp_launch.resilient.group import all_gather_flat
 from tp_launch.resilient.rollback import Rollback
 from tp_launch.resilient.state import Cursor, State, digest_tree
 from tp_launch.resilient.wire import (
@@ -115,10 +116,34 @@ class Carrier:
 # ---------------------------------------------------------------- send / receive
 
 
-def _p2p(pg: dist.ProcessGroup, peer: int, receive: bool):  # type: ignore[no-untyped-def]
-    if receive:
-        return lambda t: pg.recv([t], peer, 0).wait()
-    return lambda t: pg.send([t], peer, 0).wait()
+def _carries(pg: Any, t: torch.Tensor) -> bool:
+    """Whether ``pg`` moves ``t`` from and to where it lies. gloo's point-to-point
+    transport reads and writes host memory only: given a CUDA tensor, its ``writev``
+    fails (EFAULT) in gloo's own thread and the exception ends the process (seen on an
+    H200, in a planned migration's two-process gloo group and with ``backend="gloo"``)."""
+    if t.device.type == "cpu":
+        return True
+    try:
+        backend = pg._get_backend(t.device) if hasattr(pg, "_get_backend") else pg
+        return backend.name() != "gloo"
+    except Exception:
+        return False
+
+
+def _p2p(pg: Any, peer: int, receive: bool) -> Callable[[torch.Tensor], None]:
+    """Move one tensor to or from ``peer``; through a host copy where ``pg`` needs it."""
+    op = pg.recv if receive else pg.send
+
+    def move(t: torch.Tensor) -> None:
+        if _carries(pg, t):
+            op([t], peer, 0).wait()
+        elif receive:
+            host = torch.empty(t.shape, dtype=t.dtype)
+            op([host], peer, 0).wait()
+            t.copy_(host)
+        else:
+            op([t.detach().to("cpu").contiguous()], peer, 0).wait()
+    return move
 
 
 def send_state(carrier: Carrier, pg: dist.ProcessGroup, dst: int) -> int:
@@ -239,7 +264,7 @@ def agree_and_transfer(carrier: Carrier, fresh: bool,
                          *(words[g] for g in rng.GENERATORS)], dtype=torch.int64)
     width = mine.numel()
     gathered = torch.zeros(world * width, dtype=torch.int64)
-    dist.all_gather_single(gathered, mine)
+    all_gather_flat(gathered, mine)
     rows = gathered.view(world, width).tolist()
     steps = [r[0] for r in rows]
     top = max(steps)
@@ -352,7 +377,7 @@ def verify(state: State) -> None:
     mine = torch.tensor([int.from_bytes(word[:8], "little", signed=True),
                          int.from_bytes(word[8:], "little", signed=True)], dtype=torch.int64)
     gathered = torch.zeros(world * 2, dtype=torch.int64)
-    dist.all_gather_single(gathered, mine)
+    all_gather_flat(gathered, mine)
     rows = [tuple(r) for r in gathered.view(world, 2).tolist()]
     differ = [r for r, row in enumerate(rows) if row != rows[0]]
     if differ:
