@@ -2,7 +2,7 @@
 transfer. 2 ranks + 1 spare share cuda:0 (gloo: NCCL refuses two ranks on one GPU);
 rank 1 SIGKILLs itself in step KILL's forward; the result must equal the
 failure-free torchrun run's."""
-import hashlib, os, signal, sys
+import hashlib, os, signal, time
 import torch, torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -18,11 +18,11 @@ opt = torch.optim.Adam(model.parameters(), lr=1e-3)
 def checksum():
     h = hashlib.sha256()
     for t in model.state_dict().values():
-        h.update(t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(bytes(t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).tolist()))
     for st in opt.state.values():
         for v in st.values():
             if torch.is_tensor(v):
-                h.update(v.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+                h.update(bytes(v.detach().cpu().reshape(-1).contiguous().view(torch.uint8).tolist()))
     return h.hexdigest()[:16]
 
 def train(steps):
@@ -34,13 +34,12 @@ def train(steps):
         if step == KILL and rank == 1 and os.environ.get("TP_RUN_SPARE") != "1" \
                 and not os.path.exists(os.environ["OUTDIR"] + "/killed"):
             from tp_launch.resilient import parked_spares
-            import time
             while parked_spares() < 1:
                 time.sleep(0.05)
             open(os.environ["OUTDIR"] + "/killed", "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
         if os.environ.get("STEP_SLEEP"):
-            import time; time.sleep(float(os.environ["STEP_SLEEP"]))
+            time.sleep(float(os.environ["STEP_SLEEP"]))
         loss = ddp(x).square().mean()
         opt.zero_grad()
         loss.backward()
