@@ -105,6 +105,7 @@ from typing import Any, Callable, TypeVar
 
 from rendezvous.api import RendezvousError
 from rendezvous.kv import KV, KVError, KVUnavailable
+from rendezvous.wakeup import WakeupPipe
 
 logger = logging.getLogger(__name__)
 
@@ -250,7 +251,7 @@ class Membership:
         self._pending_report: tuple[int, str, bool] | None = None  # round, detail, final
         self.world: World | None = None
         # World-change notification for the agent's select loop.
-        self._pipe_r, self._pipe_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._pipe = WakeupPipe()
         self._change: WorldChange | None = None
         self._change_lock = threading.Lock()
         self._monitor: threading.Thread | None = None
@@ -706,22 +707,15 @@ class Membership:
         with self._change_lock:
             if self._change is None:
                 self._change = change
-        try:
-            os.write(self._pipe_w, b"!")
-        except BlockingIOError:
-            pass
+        self._pipe.poke()
 
     def _drain(self) -> None:
-        try:
-            while os.read(self._pipe_r, 512):
-                pass
-        except BlockingIOError:
-            pass
+        self._pipe.drain()
 
     @property
     def fd(self) -> int:
         """Readable when the world changed; see :meth:`world_change`."""
-        return self._pipe_r
+        return self._pipe.fd
 
     def world_change(self) -> WorldChange | None:
         with self._change_lock:
@@ -928,10 +922,7 @@ class Membership:
         self._change_watches = []
 
     def poke(self) -> None:
-        try:
-            os.write(self._pipe_w, b"!")
-        except (BlockingIOError, OSError):
-            pass
+        self._pipe.poke()
 
     def drain(self) -> None:
         self._drain()
@@ -1040,11 +1031,7 @@ class Membership:
         if self._lease is not None:
             self.kv.lease_revoke(self._lease)
         self.kv.close()
-        for fd in (self._pipe_r, self._pipe_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        self._pipe.close()
 
 
 def local_address(explicit: str | None) -> str:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from rendezvous import RendezvousError, RendezvousHandler, RendezvousInfo, create_handler
+from rendezvous.wakeup import WakeupPipe
 from tp_launch.agent.events import EventLog
 from tp_launch.agent.failures import ProcessFailure, copy_root_cause, format_summary
 from tp_launch.agent.worker_env import worker_argv, worker_env
@@ -87,15 +88,15 @@ class SignalWatch:
     """
 
     def __init__(self, signals: list[signal.Signals]) -> None:
-        self._r, self._w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._pipe = WakeupPipe()
         self.pending: list[signal.Signals] = []
         self._raise = False
         self._old = {sig: signal.signal(sig, self._on_signal) for sig in signals}
-        self._old_wakeup = signal.set_wakeup_fd(self._w, warn_on_full_buffer=False)
+        self._old_wakeup = signal.set_wakeup_fd(self._pipe.write_fd, warn_on_full_buffer=False)
 
     @property
     def fd(self) -> int:
-        return self._r
+        return self._pipe.fd
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         sig = signal.Signals(signum)
@@ -116,11 +117,7 @@ class SignalWatch:
             self._raise = False
 
     def drain(self) -> None:
-        try:
-            while os.read(self._r, 512):
-                pass
-        except BlockingIOError:
-            pass
+        self._pipe.drain()
 
     def raise_pending(self) -> None:
         if self.pending:
@@ -130,8 +127,7 @@ class SignalWatch:
         signal.set_wakeup_fd(self._old_wakeup)
         for sig, handler in self._old.items():
             signal.signal(sig, handler)
-        os.close(self._r)
-        os.close(self._w)
+        self._pipe.close()
 
 
 class NodeAgent:
