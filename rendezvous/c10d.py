@@ -43,6 +43,7 @@ import time
 import uuid
 from typing import Any, Callable
 
+from rendezvous.grammar import split_endpoint
 from rendezvous.kv import KV, KVError
 
 logger = logging.getLogger(__name__)
@@ -297,8 +298,6 @@ def parse_bool(value: str | None, key: str) -> bool | None:
 def c10d_kv_from_conf(endpoint: str, conf: dict[str, str], timeout: float,
                       namespace: str) -> C10dKV:
     """A :class:`C10dKV` for ``--rdzv-endpoint`` and torchrun's c10d ``--rdzv-conf`` keys."""
-    from tp_launch.config import split_endpoint
-
     if not endpoint:
         raise KVError("--rdzv-backend c10d needs --rdzv-endpoint host[:port]")
     host, port = split_endpoint(endpoint, DEFAULT_PORT)

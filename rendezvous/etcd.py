@@ -37,6 +37,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from rendezvous.grammar import split_endpoint
 from rendezvous.kv import KV, KVError, KVUnavailable
 
 logger = logging.getLogger(__name__)
@@ -346,8 +347,6 @@ def etcd_settings(endpoint: str, conf: dict[str, str]) -> EtcdSettings:
     TLS file that does not exist, a password on the command line, or a password that
     would travel in clear text (plain http).
     """
-    from tp_launch.config import split_endpoint
-
     if not endpoint:
         raise KVError("--rdzv-backend etcd needs --rdzv-endpoint host:port (the etcd server)")
     if "://" in endpoint:  # accept http://host:port as torch's etcd backend does
