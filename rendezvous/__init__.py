@@ -1,7 +1,9 @@
 """Membership and generations for tp-run agents, over pluggable backends.
 
 Backends register a factory under one or more names; :func:`create_handler` picks the
-one a :class:`~tp_launch.config.LaunchConfig` asks for. A single-node job always runs
+one a launch asks for, reading only the settings :class:`RendezvousParams` names (which
+``tp_launch``'s ``LaunchConfig`` has: this package never imports ``tp_launch``, imports
+run the other way). A single-node job always runs
 on the embedded default (:mod:`rendezvous.static`), whatever backend was named for it,
 exactly as torchrun's standalone does: nothing external is needed.
 
@@ -15,25 +17,43 @@ fixed by the command line.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from rendezvous.api import RendezvousError, RendezvousHandler, RendezvousInfo
+from rendezvous.grammar import split_endpoint
 from rendezvous.static import StaticRendezvous
 
 if TYPE_CHECKING:
-    from tp_launch.config import LaunchConfig
+    from rendezvous.kv import KV
 
 __all__ = [
     "RendezvousError",
     "RendezvousHandler",
     "RendezvousInfo",
+    "RendezvousParams",
     "create_handler",
     "register_backend",
 ]
 
 logger = logging.getLogger(__name__)
 
-BackendFactory = Callable[["LaunchConfig"], RendezvousHandler]
+
+class RendezvousParams(Protocol):
+    """What a backend reads of the launch configuration (torchrun's flags), as
+    ``tp_launch.config.LaunchConfig`` has it."""
+
+    rdzv_backend: str  # static, c10d, etcd...; after standalone resolution
+    rdzv_endpoint: str  # host:port of the rendezvous service ("" if none)
+    rdzv_configs: dict[str, str]  # parsed --rdzv-conf
+    run_id: str  # --rdzv-id
+    min_nodes: int  # --nnodes MIN:MAX
+    max_nodes: int
+    node_rank: int  # --node-rank (static only)
+    master_port: int | None  # --master-port (static only; None: 29500)
+    local_addr: str | None  # --local-addr (None: this machine's name)
+
+
+BackendFactory = Callable[[RendezvousParams], RendezvousHandler]
 _BACKENDS: dict[str, BackendFactory] = {}
 
 
@@ -43,14 +63,12 @@ def register_backend(names: list[str], factory: BackendFactory) -> None:
         _BACKENDS[name] = factory
 
 
-def create_handler(config: LaunchConfig) -> RendezvousHandler:
+def create_handler(config: RendezvousParams) -> RendezvousHandler:
     """The rendezvous handler for this launch.
 
     Raises:
         RendezvousError: unknown backend, or a setup it cannot run.
     """
-    from tp_launch.config import split_endpoint
-
     if config.rdzv_backend == "static":
         host, port = split_endpoint(config.rdzv_endpoint, config.master_port or 29500)
         return StaticRendezvous(config.run_id, config.max_nodes, config.node_rank, host, port)
@@ -65,7 +83,7 @@ def create_handler(config: LaunchConfig) -> RendezvousHandler:
     return factory(config)
 
 
-def _membership_handler(config: LaunchConfig) -> RendezvousHandler:
+def _membership_handler(config: RendezvousParams) -> RendezvousHandler:
     """etcd (v3, whatever the name says) or c10d: the membership protocol over a KV."""
     from rendezvous.conf import timeouts_from_conf
     from rendezvous.handler import MembershipRendezvous
@@ -80,6 +98,7 @@ def _membership_handler(config: LaunchConfig) -> RendezvousHandler:
     # Reaching the service counts against join_timeout: an unreachable endpoint is an
     # error within the configured timeout, never a hang.
     connect = min(t.join_timeout, t.read_timeout)
+    kv: KV
     try:
         if backend == "c10d":
             from rendezvous.c10d import c10d_kv_from_conf

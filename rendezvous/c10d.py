@@ -43,7 +43,9 @@ import time
 import uuid
 from typing import Any, Callable
 
+from rendezvous.grammar import split_endpoint
 from rendezvous.kv import KV, KVError
+from rendezvous.quiet import import_torch_quietly
 
 logger = logging.getLogger(__name__)
 
@@ -202,7 +204,7 @@ class C10dKV(KV):
         if not keys:
             return {}
         # multi_get would wait for a key deleted since the listing; our prefixes only
-        # grow (delete_prefix is for leftovers), and a missing key reads as absent.
+        # grow, and a missing key reads as absent.
         now = time.time()
         out = {}
         for key in keys:
@@ -210,11 +212,6 @@ class C10dKV(KV):
             if value is not None:
                 out[key] = value
         return out
-
-    def delete_prefix(self, prefix: str) -> None:
-        for key in self._call("list", self._store.list_keys):
-            if key.startswith(prefix):
-                self._call("delete", self._store.delete_key, key)
 
     def watch_prefix(self, prefix: str, callback: Callable[[], None]) -> Callable[[], None]:
         stop = threading.Event()
@@ -242,30 +239,6 @@ class C10dKV(KV):
     @property
     def hosting(self) -> bool:
         return self._server is not None
-
-
-def import_torch_quietly() -> None:
-    """Import torch with its C++ log level at FATAL, if it is not imported yet.
-
-    A TCPStore client whose server is gone (a c10d host that died, or not there yet)
-    logs a wall of C++ stack frames per retry; the agent reports such errors itself, in
-    one line. The level is read once, at import, so the workers' environment (built from
-    ``os.environ`` later) keeps whatever the user set.
-    """
-    import os
-    import sys
-
-    if "torch" in sys.modules:
-        return
-    old = os.environ.get("TORCH_CPP_LOG_LEVEL")
-    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
-    try:
-        import torch.distributed  # noqa: F401
-    finally:
-        if old is None:
-            del os.environ["TORCH_CPP_LOG_LEVEL"]
-        else:
-            os.environ["TORCH_CPP_LOG_LEVEL"] = old
 
 
 def _wait_connectable(host: str, port: int, timeout: float, where: str) -> None:
@@ -297,14 +270,13 @@ def parse_bool(value: str | None, key: str) -> bool | None:
 def c10d_kv_from_conf(endpoint: str, conf: dict[str, str], timeout: float,
                       namespace: str) -> C10dKV:
     """A :class:`C10dKV` for ``--rdzv-endpoint`` and torchrun's c10d ``--rdzv-conf`` keys."""
-    from tp_launch.config import split_endpoint
-
     if not endpoint:
         raise KVError("--rdzv-backend c10d needs --rdzv-endpoint host[:port]")
     host, port = split_endpoint(endpoint, DEFAULT_PORT)
     try:
         socket.getaddrinfo(host, port)
     except socket.gaierror as e:
-        raise KVError(f"rendezvous endpoint {endpoint!r}: cannot resolve {host!r} ({e.strerror})") from None
+        raise KVError(f"rendezvous endpoint {endpoint!r}: cannot resolve {host!r} "
+                      f"({e.strerror})") from None
     return C10dKV(host, port, is_host=parse_bool(conf.get("is_host"), "is_host"),
                   timeout=timeout, namespace=namespace)

@@ -15,8 +15,11 @@ not apply.
 
 from __future__ import annotations
 
+import difflib
 import logging
 
+from rendezvous.grammar import ConfigError, parse_duration, split_endpoint
+from rendezvous.kv import KVError
 from rendezvous.membership import Timeouts
 
 logger = logging.getLogger(__name__)
@@ -32,8 +35,6 @@ BACKEND_KEYS = {"protocol", "cacert", "ca_cert", "cert", "ssl_cert", "key", "ssl
 
 def timeouts_from_conf(conf: dict[str, str]) -> Timeouts:
     """:class:`Timeouts` from ``--rdzv-conf``; a bad value is a ConfigError."""
-    from tp_launch.config import ConfigError, parse_duration
-
     t = Timeouts()
     given: set[str] = set()
     for raw_key, value in conf.items():
@@ -65,10 +66,6 @@ def timeouts_from_conf(conf: dict[str, str]) -> Timeouts:
 def _check_spelling(conf: dict[str, str]) -> None:
     """An unknown key that looks like a known one is a typo, not a key for some other
     backend: ``ca-cert=`` silently ignored would mean no TLS at all."""
-    import difflib
-
-    from tp_launch.config import ConfigError
-
     known = sorted({*_DURATIONS, *_ALIASES, *BACKEND_KEYS, "keep_alive_max_attempt",
                     "password"})
     for key in conf:
@@ -86,8 +83,6 @@ def validate(backend: str, endpoint: str, conf: dict[str, str]) -> None:
     What needs the service itself (reachability, TLS handshake, password) is checked
     when the agent connects, within the configured timeout.
     """
-    from tp_launch.config import ConfigError, split_endpoint
-
     _check_spelling(conf)
     timeouts_from_conf(conf)
     if backend not in ("etcd", "etcd-v2", "etcd-v3", "c10d"):
@@ -97,7 +92,6 @@ def validate(backend: str, endpoint: str, conf: dict[str, str]) -> None:
     split_endpoint(endpoint.split("://", 1)[-1].rstrip("/"), 0)
     if backend == "c10d":
         from rendezvous.c10d import parse_bool
-        from rendezvous.kv import KVError
 
         try:
             parse_bool(conf.get("is_host"), "is_host")
@@ -105,7 +99,6 @@ def validate(backend: str, endpoint: str, conf: dict[str, str]) -> None:
             raise ConfigError(str(e)) from None
         return
     from rendezvous.etcd import etcd_settings
-    from rendezvous.kv import KVError
 
     try:
         etcd_settings(endpoint, conf)

@@ -9,7 +9,11 @@ Settings (``--rdzv-conf``): ``protocol`` (http/https), ``cacert``/``ca_cert``,
 ``cert``/``ssl_cert``, ``key``/``ssl_cert_key``, ``etcd_prefix`` (default ``/tp-run``),
 ``user`` (or ``TP_RUN_ETCD_USER``); the password only from ``TP_RUN_ETCD_PASSWORD``,
 never from the command line (it would show in ``ps``), only over TLS (never in clear
-text), and never passed on to the workers (:mod:`tp_launch.agent.worker_env`).
+text), and never passed on to the workers (:mod:`tp_launch.agent.worker_env`). They are
+checked in one place: :func:`etcd_settings` (the command line's rules) builds an
+:class:`EtcdSettings`, which checks what every connection needs (both halves of a
+client certificate and of a login, TLS files that exist); :class:`EtcdKV` builds one
+from its own arguments too.
 
 Why a version is etcd's ``mod_revision``: every write bumps it, so a compare on it in a
 transaction is a compare-and-swap that no stale writer can pass.
@@ -37,31 +41,14 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from rendezvous.grammar import split_endpoint
 from rendezvous.kv import KV, KVError, KVUnavailable
+from rendezvous.quiet import import_grpc_quietly
 
 logger = logging.getLogger(__name__)
 
 PASSWORD_ENV = "TP_RUN_ETCD_PASSWORD"
 USER_ENV = "TP_RUN_ETCD_USER"
-
-
-def _import_grpc_quietly() -> None:
-    """Import gRPC with its own logging off (it would print TLS handshake failures and
-    retries on stderr; the agent reports them itself, in one line). The level is read
-    at import, so the workers' environment keeps whatever the user set."""
-    import sys
-
-    if "grpc" in sys.modules:
-        return
-    old = os.environ.get("GRPC_VERBOSITY")
-    os.environ["GRPC_VERBOSITY"] = "NONE"
-    try:
-        import grpc  # noqa: F401
-    finally:
-        if old is None:
-            del os.environ["GRPC_VERBOSITY"]
-        else:
-            os.environ["GRPC_VERBOSITY"] = old
 
 
 def _describe(e: BaseException) -> str:
@@ -113,31 +100,22 @@ class EtcdKV(KV):
                  connect_timeout: float = 30.0, ca_cert: str | None = None,
                  cert: str | None = None, key: str | None = None,
                  user: str | None = None, password: str | None = None) -> None:
+        EtcdSettings(host, port, ca_cert, cert, key, user, password)  # raises if unusable
         # The agent forks its workers (and exec's at once): gRPC's fork handlers are not
         # needed, and with them on, every spawn logs "Other threads are currently calling
         # into gRPC, skipping fork() handlers".
         os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
-        _import_grpc_quietly()
+        import_grpc_quietly()
         import grpc
         import pyetcd
         from pyetcd import etcdrpc
         from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
 
-        self._grpc = grpc
         self._timeout = timeout
         where = f"etcd at {host}:{port}"
         creds = None
         if ca_cert or cert or key:
-            if bool(cert) != bool(key):
-                raise KVError(f"{where}: TLS needs both cert and key (or neither)")
-            for path in filter(None, (ca_cert, cert, key)):
-                if not os.path.isfile(path):
-                    raise KVError(f"{where}: TLS file not found: {path}")
             creds = MultiEndpointEtcd3Client.get_secure_creds(ca_cert, key, cert)
-        if bool(user) != bool(password):
-            raise KVError(f"{where}: authentication needs a user and a password "
-                          f"(user via --rdzv-conf user=... or {USER_ENV}, password via "
-                          f"{PASSWORD_ENV})")
         # pyetcd marks an endpoint "failed" for 300 s after one transient error and then
         # refuses to use it; with a single endpoint that would turn a blip into an outage.
         endpoint = Endpoint(host, port, secure=creds is not None, creds=creds, time_retry=0.0,
@@ -237,9 +215,6 @@ class EtcdKV(KV):
                               count_only=True)
         return int(response.count)
 
-    def delete_prefix(self, prefix: str) -> None:
-        self._call("delete", self._client.delete_prefix, prefix)
-
     def lease_grant(self, ttl: float) -> Any:
         # etcd leases have whole-second TTLs, and etcd enforces a minimum (its
         # heartbeat x 1.5 or so); round up so a short TTL is never shorter than asked.
@@ -324,30 +299,45 @@ class EtcdKV(KV):
             pass
 
 
-@dataclass
+@dataclass(frozen=True)
 class EtcdSettings:
-    """Where and how to reach etcd: ``--rdzv-endpoint``, ``--rdzv-conf`` and the
-    environment, checked (:func:`etcd_settings`)."""
+    """Where and how to reach etcd, checked on construction (:class:`EtcdKV` builds one
+    from its arguments, :func:`etcd_settings` from the command line).
+
+    Raises KVError (one line) for what no connection can use: half a client
+    certificate, a TLS file that does not exist, a user without a password or a
+    password without a user.
+    """
 
     host: str
     port: int
-    ca_cert: str | None
-    cert: str | None
-    key: str | None
-    user: str | None
-    password: str | None
+    ca_cert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    user: str | None = None
+    password: str | None = None
+
+    def __post_init__(self) -> None:
+        if bool(self.cert) != bool(self.key):
+            raise KVError("--rdzv-conf: a client certificate needs both cert= and key=")
+        for path in filter(None, (self.ca_cert, self.cert, self.key)):
+            if not os.path.isfile(path):
+                raise KVError(f"--rdzv-conf: TLS file not found: {path}")
+        if bool(self.user) != bool(self.password):
+            raise KVError(f"etcd authentication needs a user and a password (user via "
+                          f"--rdzv-conf user=... or {USER_ENV}, password via "
+                          f"{PASSWORD_ENV})")
 
 
 def etcd_settings(endpoint: str, conf: dict[str, str]) -> EtcdSettings:
     """torchrun's etcd ``--rdzv-conf`` keys and ``TP_RUN_ETCD_*``, checked once.
 
     Raises KVError (one line) for what cannot work or is not safe: no endpoint, a
-    protocol other than http/https, https without a CA, half a client certificate, a
-    TLS file that does not exist, a password on the command line, or a password that
-    would travel in clear text (plain http).
+    protocol other than http/https, https without a CA, a password on the command
+    line, a password that would travel in clear text (plain http), and what
+    :class:`EtcdSettings` refuses. Certificates given with ``protocol=http`` (the
+    default) mean TLS.
     """
-    from tp_launch.config import split_endpoint
-
     if not endpoint:
         raise KVError("--rdzv-backend etcd needs --rdzv-endpoint host:port (the etcd server)")
     if "://" in endpoint:  # accept http://host:port as torch's etcd backend does
@@ -365,21 +355,14 @@ def etcd_settings(endpoint: str, conf: dict[str, str]) -> EtcdSettings:
     key = conf.get("key") or conf.get("ssl_cert_key")
     if protocol == "https" and not ca_cert:
         raise KVError("--rdzv-conf protocol=https needs cacert=<CA file> (etcd's CA)")
-    if bool(cert) != bool(key):
-        raise KVError("--rdzv-conf: a client certificate needs both cert= and key=")
-    for path in filter(None, (ca_cert, cert, key)):
-        if not os.path.isfile(path):
-            raise KVError(f"--rdzv-conf: TLS file not found: {path}")
-    if protocol == "http" and (cert or key or ca_cert):
-        protocol = "https"  # certificates given: TLS was meant
     user = conf.get("user") or os.environ.get(USER_ENV) or None
     password = os.environ.get(PASSWORD_ENV) or None
-    if password and protocol == "http":
+    tls = protocol == "https" or bool(cert or key or ca_cert)
+    if password and not tls:
         raise KVError(f"{PASSWORD_ENV} is set but etcd is reached over plain http: the "
                       "password would travel in clear text (use protocol=https with "
                       "cacert=<CA file>)")
-    return EtcdSettings(host, port, ca_cert if protocol == "https" else None, cert, key,
-                        user, password)
+    return EtcdSettings(host, port, ca_cert, cert, key, user, password)
 
 
 def etcd_kv_from_conf(endpoint: str, conf: dict[str, str], connect_timeout: float,

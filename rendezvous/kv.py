@@ -11,7 +11,8 @@ written once and the backends stay thin:
   lease vanish when it expires (a dead agent's liveness key),
 - ``watch_prefix``: a callback on any change under a prefix (may be emulated by polling:
   the protocol re-reads on its own timer too, so a watch only makes it faster),
-- ``delete_prefix``.
+- ``hosting``: whether this process holds the backend's only copy of the state (the
+  c10d store's host), so that the others lose it when this process leaves.
 
 Errors: :class:`KVUnavailable` when the backend cannot be reached *now* (etcd
 restarting, a leader election, a network blip): it may come back, and the protocol
@@ -55,6 +56,13 @@ class KV(abc.ABC):
         since the last one that reached the backend; None while it is reachable."""
         return self._outage_since
 
+    @property
+    def hosting(self) -> bool:
+        """True if the backend's state lives in this process (the c10d store's host):
+        it is lost for everyone when this process goes. False for a separate service
+        (etcd)."""
+        return False
+
     def _reached(self, ok: bool) -> None:
         """Backends call this after each request: it reached the backend, or met
         :class:`KVUnavailable`."""
@@ -82,10 +90,6 @@ class KV(abc.ABC):
     def count_prefix(self, prefix: str) -> int:
         """How many live keys are under ``prefix`` (backends may do it without the data)."""
         return len(self.get_prefix(prefix))
-
-    @abc.abstractmethod
-    def delete_prefix(self, prefix: str) -> None:
-        """Remove every key under ``prefix``."""
 
     @abc.abstractmethod
     def lease_grant(self, ttl: float) -> Any:
@@ -144,10 +148,6 @@ class CountingKV(KV):
         self._count()
         return self.inner.count_prefix(prefix)
 
-    def delete_prefix(self, prefix: str) -> None:
-        self._count()
-        self.inner.delete_prefix(prefix)
-
     def lease_grant(self, ttl: float) -> Any:
         self._count()
         return self.inner.lease_grant(ttl)
@@ -167,6 +167,10 @@ class CountingKV(KV):
     @property
     def outage_since(self) -> float | None:
         return self.inner.outage_since
+
+    @property
+    def hosting(self) -> bool:
+        return self.inner.hosting
 
     def close(self) -> None:
         self.inner.close()

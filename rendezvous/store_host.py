@@ -17,12 +17,9 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import logging
 import socket
 import threading
 from typing import Any
-
-logger = logging.getLogger(__name__)
 
 # Workers may take long to reach init_process_group; the store must not give up first.
 _STORE_TIMEOUT = datetime.timedelta(hours=2)
@@ -61,7 +58,7 @@ def loopback_only(host: str) -> bool:
     """True if every address ``host`` resolves to here is a loopback address (a
     machine whose own name maps to 127.0.1.1, say); False if it does not resolve."""
     try:
-        addrs = {a[4][0] for a in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+        addrs = {str(a[4][0]) for a in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
     except socket.gaierror:
         return False
     return all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs)

@@ -79,7 +79,7 @@ class EtcdV3TorchrunHandler(RendezvousHandler):
             state, _ = self._m.read_state()
         except KVError:
             return False
-        return bool(state) and state.get("phase") == "complete"
+        return state is not None and state.get("phase") == "complete"
 
     def set_closed(self) -> None:
         world = self._m.world
@@ -121,7 +121,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     ``--rdzv-conf`` as for ``tp-run --rdzv-backend etcd``."""
     from rendezvous.conf import timeouts_from_conf
     from rendezvous.etcd import PASSWORD_ENV, etcd_kv_from_conf
-    from tp_launch.config import ConfigError
+    from rendezvous.grammar import ConfigError
 
     conf = {k: str(v) for k, v in params.config.items() if v is not None}
     try:

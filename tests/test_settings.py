@@ -1,22 +1,99 @@
-"""Settings checked before anything starts: --rdzv-conf, durations, the etcd login, and
-where a promoted spare's output goes. Pure functions; the command-line behaviour (one
-``tp-run: error:`` line, exit 2) is tested in test_failures.py and test_rendezvous_e2e.py."""
+"""Settings checked before anything starts: the endpoint and duration grammars,
+--rdzv-conf, the etcd TLS and login rule, and where a promoted spare's output goes. Pure
+functions; the command-line behaviour (one ``tp-run: error:`` line, exit 2) is tested in
+test_failures.py and test_rendezvous_e2e.py."""
 
 from __future__ import annotations
 
 import pytest
 
+import tp_launch.config
 from rendezvous.conf import timeouts_from_conf, validate
-from rendezvous.etcd import PASSWORD_ENV, etcd_settings
+from rendezvous.etcd import PASSWORD_ENV, USER_ENV, EtcdSettings, etcd_settings
+from rendezvous.grammar import ConfigError, parse_duration, split_endpoint
 from rendezvous.kv import KVError
-from tp_launch.config import ConfigError, LaunchConfig, Std, check_seconds
+from tp_launch.config import LaunchConfig, Std, check_seconds, parse_rdzv_conf
 from tp_launch.procs.logs import LogLayout
+
+
+def test_tp_launch_raises_the_grammar_error():
+    assert tp_launch.config.ConfigError is ConfigError
+
+
+@pytest.mark.parametrize("endpoint,host,port", [
+    ("etcd1:2379", "etcd1", 2379),
+    ("etcd1", "etcd1", 99),
+    (" 10.0.0.1:0 ", "10.0.0.1", 0),
+    ("[::1]:29400", "::1", 29400),
+    ("[fe80::1%eth0]", "fe80::1%eth0", 99),
+    ("::1", "::1", 99),  # bare IPv6: no port can be told apart, the default applies
+])
+def test_endpoints(endpoint, host, port):
+    assert split_endpoint(endpoint, 99) == (host, port)
+
+
+@pytest.mark.parametrize("endpoint,says", [
+    ("", "has no host"), (":2379", "has no host"), ("[]:1", "has no host"),
+    ("h:port", "'port' is not an integer"), ("h:65536", "65536 is out of range"),
+    ("h:-1", "-1 is out of range"), ("[::1]:x", "'x' is not an integer"),
+])
+def test_bad_endpoints(endpoint, says):
+    with pytest.raises(ConfigError, match=says):
+        split_endpoint(endpoint, 99)
+
+
+@pytest.mark.parametrize("value,seconds", [("5", 5.0), ("0.25", 0.25), (" 1e1 ", 10.0),
+                                           ("-3", -3.0)])
+def test_durations(value, seconds):
+    assert parse_duration(value, "k") == seconds  # the sign is the caller's rule
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "", "5s"])
+def test_durations_are_finite_numbers(value):
+    with pytest.raises(ConfigError, match=r"--rdzv-conf k=.* is not a finite number"):
+        parse_duration(value, "k")
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf", "NaN", "1e999", "soon"])
 def test_durations_must_be_finite(value):
     with pytest.raises(ConfigError, match="join_timeout"):
         timeouts_from_conf({"join_timeout": value})
+
+
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_rdzv_conf_durations_must_be_positive(value):
+    with pytest.raises(ConfigError, match="must be positive"):
+        timeouts_from_conf({"timeout": value})
+
+
+def test_rdzv_conf_timeouts():
+    t = timeouts_from_conf({"timeout": "7", "heartbeat_timeout": "4", "read_timeout": "2",
+                            "keep_alive_interval": "1", "keep_alive_max_attempt": "5",
+                            "some_plugin_key": "x"})
+    assert (t.join_timeout, t.heartbeat_timeout, t.read_timeout) == (7.0, 4.0, 2.0)
+    assert t.lease_ttl == 4.0  # default: heartbeat_timeout
+    assert t.keep_alive_max_attempt == 5
+    assert timeouts_from_conf({"ttl": "9", "heartbeat_timeout": "4",
+                               "keep_alive_interval": "1"}).lease_ttl == 9.0
+
+
+@pytest.mark.parametrize("conf,says", [
+    ({"keep_alive_max_attempt": "two"}, "is not an integer"),
+    ({"keep_alive_max_attempt": "0"}, "must be at least 1"),
+    ({"keep_alive_interval": "3", "lease_ttl": "3"}, "must be shorter than the lease TTL"),
+    ({"keep_alive_interval": "5", "heartbeat_timeout": "4"}, "must be shorter"),
+])
+def test_bad_rdzv_conf_timeouts(conf, says):
+    with pytest.raises(ConfigError, match=says):
+        timeouts_from_conf(conf)
+
+
+def test_rdzv_conf_grammar():
+    assert parse_rdzv_conf("") == {}
+    assert parse_rdzv_conf(" a = 1 ,b=x:y,c=") == {"a": "1", "b": "x:y", "c": ""}
+    for bad in ("a", "a=1,,b=2", "=1"):
+        with pytest.raises(ConfigError, match="is not key=value"):
+            parse_rdzv_conf(bad)
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0])
@@ -38,6 +115,54 @@ def test_misspelled_keys_are_errors(key, meant):
 def test_unrelated_unknown_keys_are_ignored_as_torchrun_does():
     validate("etcd", "127.0.0.1:2379", {"some_plugin_setting": "1"})
     validate("c10d", "127.0.0.1:29400", {"store_type": "tcp", "use_libuv": "1"})
+
+
+@pytest.mark.parametrize("backend,endpoint,conf,says", [
+    ("etcd", "", {}, "needs --rdzv-endpoint"),
+    ("c10d", "", {}, "needs --rdzv-endpoint"),
+    ("c10d", "h:99999", {}, "out of range"),
+    ("etcd", "https://[::1]:x/", {}, "'x' is not an integer"),
+    ("c10d", "h:1", {"is_host": "maybe"}, "is_host='maybe' is not a boolean"),
+    ("etcd", "h:1", {"protocol": "grpc"}, "must be http or https"),
+    ("etcd", "h:1", {"protocol": "https"}, "needs cacert="),
+    ("etcd", "h:1", {"password": "x"}, "TP_RUN_ETCD_PASSWORD instead"),
+    ("etcd", "h:1", {"cert": "/no/such.pem"}, "needs both cert= and key="),
+    ("etcd", "h:1", {"cacert": "/no/such.pem"}, "TLS file not found: /no/such.pem"),
+])
+def test_bad_backend_settings(monkeypatch, backend, endpoint, conf, says):
+    monkeypatch.delenv(PASSWORD_ENV, raising=False)
+    with pytest.raises(ConfigError, match=says):
+        validate(backend, endpoint, conf)
+
+
+def test_etcd_settings_from_the_command_line(monkeypatch, tmp_path):
+    monkeypatch.setenv(PASSWORD_ENV, "pw")
+    monkeypatch.setenv(USER_ENV, "alice")
+    ca = tmp_path / "ca.pem"
+    ca.write_text("x")
+    assert etcd_settings("https://etcd1/", {"cacert": str(ca)}) == \
+        EtcdSettings("etcd1", 2379, str(ca), user="alice", password="pw")
+    with pytest.raises(KVError, match="needs cacert="):  # the scheme is the protocol
+        etcd_settings("https://etcd1", {})
+    s = etcd_settings("[::1]:1", {"ssl_cert": str(ca), "ssl_cert_key": str(ca),
+                                  "user": "bob"})  # a client certificate: TLS
+    assert (s.host, s.port, s.ca_cert, s.cert, s.key, s.user) == \
+        ("::1", 1, None, str(ca), str(ca), "bob")
+    monkeypatch.delenv(PASSWORD_ENV)
+    with pytest.raises(KVError, match="needs a user and a password"):
+        etcd_settings("etcd1", {})  # TP_RUN_ETCD_USER alone
+
+
+def test_a_login_needs_both_halves(tmp_path):
+    """The rule every connection follows (EtcdKV checks its arguments with it too)."""
+    ca = tmp_path / "ca.pem"
+    ca.write_text("x")
+    for user, password in (("root", None), (None, "pw")):
+        with pytest.raises(KVError, match="needs a user and a password"):
+            EtcdSettings("h", 1, str(ca), user=user, password=password)
+    with pytest.raises(KVError, match="both cert= and key="):
+        EtcdSettings("h", 1, key=str(ca))
+    assert EtcdSettings("h", 1, str(ca), str(ca), str(ca), "root", "pw").password == "pw"
 
 
 def test_password_never_in_clear_text(monkeypatch, tmp_path):

@@ -30,8 +30,6 @@ from tp_launch.config import (
     parse_std_map,
 )
 
-logger = logging.getLogger("tp_launch")
-
 USAGE_EXIT = 2
 NUMA_MODES = ("node", "socket", "exclusive", "core-complex")
 

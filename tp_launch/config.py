@@ -1,9 +1,13 @@
 """The launch configuration: what one ``tp-run`` invocation asks for.
 
 The click command in :mod:`tp_launch.cli` turns a torchrun-style command line into a
-:class:`LaunchConfig`; the agent, the process layer and the rendezvous backends read
-only this object. The small parsers here hold torchrun's value grammars (``--nnodes
-MIN:MAX``, ``-r 0:1,1:2``, ``--rdzv-conf k=v,...``) once, with errors a user can act on.
+:class:`LaunchConfig`; the agent and the process layer read only this object, the
+rendezvous backends the part of it that :class:`rendezvous.RendezvousParams` names.
+The small parsers here hold torchrun's value grammars (``--nnodes MIN:MAX``,
+``-r 0:1,1:2``, ``--rdzv-conf k=v,...``) once, with errors a user can act on. The
+grammars the rendezvous backends share (endpoint, duration) and the error of them all,
+:class:`ConfigError`, live in :mod:`rendezvous.grammar` (imports run ``tp_launch`` ->
+``rendezvous`` only); ``ConfigError`` is re-exported here.
 """
 
 from __future__ import annotations
@@ -15,9 +19,7 @@ import re
 import signal
 from dataclasses import dataclass, field
 
-
-class ConfigError(ValueError):
-    """A launch option has a value tp-run cannot use; the message is shown as is."""
+from rendezvous.grammar import ConfigError as ConfigError  # re-exported: tp_launch's error
 
 
 class Std(enum.IntFlag):
@@ -224,7 +226,7 @@ def parse_local_ranks_filter(value: str) -> set[int] | None:
 
 
 def parse_signals(value: str) -> list[signal.Signals]:
-    sigs = []
+    sigs: list[signal.Signals] = []
     for name in value.split(","):
         name = name.strip()
         if not name:
@@ -236,47 +238,8 @@ def parse_signals(value: str) -> list[signal.Signals]:
     return sigs
 
 
-def parse_duration(value: str, key: str) -> float:
-    """A ``--rdzv-conf`` duration in seconds: a finite number (``nan`` would wait forever)."""
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = math.nan
-    if not math.isfinite(seconds):
-        raise ConfigError(f"--rdzv-conf {key}={value!r} is not a finite number of seconds")
-    return seconds
-
-
 def check_seconds(seconds: float, what: str) -> float:
     """A duration option (already a float): finite and not negative, or a ConfigError."""
     if not math.isfinite(seconds) or seconds < 0:
         raise ConfigError(f"{what}={seconds!r} is not a finite, non-negative number of seconds")
     return seconds
-
-
-def split_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
-    """``"host:port"``, ``"host"``, ``"[::1]:port"`` -> (host, port)."""
-    endpoint = endpoint.strip()
-    host, port = endpoint, default_port
-    if endpoint.startswith("["):
-        close = endpoint.find("]")
-        host = endpoint[1:close]
-        rest = endpoint[close + 1 :]
-        if rest.startswith(":"):
-            port = _port(rest[1:], endpoint)
-    elif endpoint.count(":") == 1:
-        host, port_s = endpoint.split(":")
-        port = _port(port_s, endpoint)
-    if not host:
-        raise ConfigError(f"rendezvous endpoint {endpoint!r} has no host")
-    return host, port
-
-
-def _port(value: str, endpoint: str) -> int:
-    try:
-        port = int(value)
-    except ValueError:
-        raise ConfigError(f"rendezvous endpoint {endpoint!r}: port {value!r} is not an integer") from None
-    if not 0 <= port < 65536:
-        raise ConfigError(f"rendezvous endpoint {endpoint!r}: port {port} is out of range")
-    return port
