@@ -149,6 +149,22 @@ def test_two_deciders_open_one_round_and_the_loser_follows(store, members):
     assert {w.round for w in out.values() if isinstance(w, World)} == {0}
 
 
+def test_two_deciders_take_a_dead_opener_over_once(store, members):
+    a, b, c = add(members, store, (2, 3), 3)
+    la = a.begin_join(1)
+    la.look()
+    la.look()  # a opened round 0 and joined it
+    store.expire(a.session.lease)  # a dies
+    lb, lc = b.begin_join(1), c.begin_join(1)
+    store.cas_hook = lambda key: lc.look()  # c takes over while b is about to
+    assert lb.look() == 0.0
+    assert state_of(b).opener == c.id
+    out = step({b: lb, c: lc}, store)
+    worlds = [w for w in out.values() if isinstance(w, World)]
+    assert {tuple(p.id for p in w.participants) for w in worlds} == {(b.id, c.id)}
+    assert {w.round for w in worlds} == {0}
+
+
 def test_two_survivors_restart_their_round_once(store, members):
     a, b, c = add(members, store, (2, 3), 3)
     step({a: a.begin_join(1), b: b.begin_join(1), c: c.begin_join(1)}, store)
