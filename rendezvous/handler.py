@@ -11,9 +11,6 @@ it offers what multi-node compatible mode needs:
   restarts (or, with no restarts left, stops).
 - :meth:`~MembershipRendezvous.exit_barrier`: wait until every node succeeded.
 
-and, for the hot-spare work, the generation (fencing token), its compare-and-swap and
-the redundancy list, straight from :class:`~rendezvous.membership.Membership`.
-
 Node rank 0's agent hosts a fresh workers' store each round (``StoreHost``, listening on
 its own address, the one the others are told) and publishes its port under the round,
 so MASTER_ADDR/MASTER_PORT always name a store that a live agent hosts and that no dead
@@ -26,7 +23,7 @@ import logging
 
 from rendezvous.api import RendezvousError, RendezvousHandler, RendezvousInfo
 from rendezvous.kv import KVError
-from rendezvous.membership import Member, Membership, WorldChange
+from rendezvous.membership import Membership, WorldChange
 from rendezvous.store_host import StoreHost
 
 logger = logging.getLogger(__name__)
@@ -106,17 +103,6 @@ class MembershipRendezvous(RendezvousHandler):
 
     def exit_barrier(self) -> WorldChange | None:
         return self.membership.exit_barrier()
-
-    @property
-    def generation(self) -> int:
-        return self.membership.generation
-
-    def compare_and_swap_generation(self, expected: int, participants: list[Member],
-                                    spares: list[Member] | None = None) -> bool:
-        return self.membership.compare_and_swap_generation(expected, participants, spares)
-
-    def redundancy_list(self) -> list[Member]:
-        return self.membership.redundancy_list()
 
     # ---------------------------------------------------------------- leaving
 

@@ -79,24 +79,22 @@ class EtcdV3TorchrunHandler(RendezvousHandler):
             state, _ = self._m.read_state()
         except KVError:
             return False
-        return state is not None and state.get("phase") == "complete"
+        return state is not None and state.phase == "complete"
 
     def set_closed(self) -> None:
-        world = self._m.world
-        if world is not None:
-            try:
-                self._m._mark_complete(world)
-            except KVError as e:
-                logger.warning("rendezvous: cannot mark the job complete: %s", e)
+        try:
+            self._m.mark_complete()
+        except KVError as e:
+            logger.warning("rendezvous: cannot mark the job complete: %s", e)
 
     def num_nodes_waiting(self) -> int:
         try:
             state, _ = self._m.read_state()
         except KVError:
             return 0
-        if not state or self._m.world is None or state["round"] != self._m.world.round:
+        if state is None or self._m.world is None or state.round != self._m.world.round:
             return 0
-        return len(state.get("waiting", []))
+        return len(state.waiting)
 
     def get_run_id(self) -> str:
         return self._m.run_id

@@ -260,7 +260,7 @@ def test_final_failure_report_is_delivered_on_close(etcd):
         change = wait_change(ms[1])
         assert change.kind == CHANGE_FAILURE and "crash loop" in change.detail
         state, _ = ms[1].read_state()
-        assert state["final"] is True
+        assert state is not None and state.final is True
     finally:
         close_all(ms)
 
@@ -274,10 +274,10 @@ def test_expired_lease_is_renewed_with_its_keys(etcd):
     try:
         join_all(ms)
         ms[0].set_parked(2)
-        old = ms[0]._lease
+        old = ms[0].session.lease
         other.lease_revoke(old)
         deadline = time.monotonic() + HANG
-        while ms[0]._lease == old or ms[0].id not in ms[1].alive_members() or \
+        while ms[0].session.lease == old or ms[0].id not in ms[1].alive_members() or \
                 ms[1].parked_counts().get(ms[0].id) != 2:
             assert time.monotonic() < deadline, "the lease was not renewed"
             time.sleep(0.1)

@@ -86,7 +86,7 @@ def join_all(members: list[Membership], lws: int = 1) -> list[World]:
 
 def crash(m: Membership) -> None:
     """As a SIGKILLed agent: its lease is no longer refreshed, nothing is revoked."""
-    m._closed.set()
+    m.session.stop()
 
 
 def wait_change(m: Membership, timeout: float = HANG):
@@ -97,6 +97,12 @@ def wait_change(m: Membership, timeout: float = HANG):
             return change
         deadline.wait(0.1)
     raise AssertionError("no world change seen")
+
+
+def spare_ids(m: Membership) -> list[str]:
+    """The state's redundancy list."""
+    state, _ = m.read_state()
+    return state.spare_ids if state is not None else []
 
 
 def close_all(members: list[Membership]) -> None:
@@ -170,10 +176,10 @@ def test_beyond_max_is_redundancy_list_and_spare_takes_over(kv_factory):
         spare_thread = threading.Thread(target=spare_join)
         spare_thread.start()
         for _ in range(300):
-            if ms[0].redundancy_list():
+            if spare_ids(ms[0]):
                 break
             threading.Event().wait(0.1)
-        assert [m.id for m in ms[0].redundancy_list()] == [ms[2].id]
+        assert spare_ids(ms[0]) == [ms[2].id]
         ms[0].close()
         ms[1].close()
         spare_thread.join(HANG)
@@ -223,11 +229,13 @@ def test_report_failure_restarts_everyone_and_stale_writes_are_fenced(kv_factory
         ms[0].world = old[0]  # an agent still living in round 0
         assert not ms[0].report_failure("late")
         ms[0].world = stale
-        assert not ms[1].compare_and_swap_generation(1, new[0].participants)  # old token
-        assert ms[1].compare_and_swap_generation(2, new[0].participants[::-1])
-        assert not ms[0].compare_and_swap_generation(2, new[0].participants)  # lost the race
+        ids = [m.id for m in new[0].participants]
+        assert not ms[1].publish_placement(1, ids, {})  # old token
+        assert ms[1].publish_placement(2, ids[::-1], {})
+        assert not ms[0].publish_placement(2, ids, {})  # lost the race
         state, _ = ms[0].read_state()
-        assert state["generation"] == 3 and not state.get("failed")
+        assert state is not None and state.generation == 3 and state.failed is None
+        assert state.participant_ids == ids[::-1]
     finally:
         close_all(ms)
 

@@ -39,6 +39,7 @@ from tp_launch.agent.control import Generation
 
 if TYPE_CHECKING:
     from rendezvous.membership import Membership
+    from rendezvous.state import RoundState
 
 logger = logging.getLogger(__name__)
 
@@ -126,15 +127,14 @@ class SharedGenerations:
     def store(self) -> tuple[str, int]:
         return self._m.addr, self._host.port
 
-    def _generation(self, state: dict) -> Generation:
-        doc = state.get("resilient")
-        if doc is not None:
-            return Generation.from_json(state["generation"], doc)
+    def _generation(self, state: RoundState) -> Generation:
+        if state.resilient is not None:
+            return Generation.from_json(state.generation, state.resilient)
         ranks: dict[int, str] = {}
-        for d in state["participants"]:  # the world as it formed: node-major ranks
-            for _ in range(int(d["lws"])):
-                ranks[len(ranks)] = d["id"]
-        return Generation(state["generation"], ranks, self._round_store)
+        for m in state.participants:  # the world as it formed: node-major ranks
+            for _ in range(m.local_world_size):
+                ranks[len(ranks)] = m.id
+        return Generation(state.generation, ranks, self._round_store)
 
     def initial(self) -> Generation:
         return self._first
@@ -155,14 +155,14 @@ class SharedGenerations:
             logger.warning("rendezvous: cannot read the job's state: %s", e)
             return None
         assert m.world is not None
-        if state is None or state["round"] != m.world.round:
+        if state is None or state.round != m.world.round:
             why = "the rendezvous state disappeared" if state is None else \
-                state.get("failed") or state.get("reason", "a new rendezvous round")
+                state.failed or state.reason
             return View(Generation(-1, {}, self.store), alive, [], finished, failed=why)
         return View(self._generation(state), alive,
-                    [d["id"] for d in state.get("spares", []) if d["id"] in alive], finished,
-                    failed=state.get("failed"), final=bool(state.get("final")),
-                    complete=state["phase"] == "complete", broken=m.broken)
+                    [n for n in state.spare_ids if n in alive], finished,
+                    failed=state.failed, final=state.final,
+                    complete=state.phase == "complete", broken=m.broken)
 
     def parked(self) -> dict[str, int]:
         """node -> parked spares ({} if the backend refuses; KVUnavailable raised)."""
