@@ -276,7 +276,9 @@ def ordered_allreduce_hook(process_group: Optional[dist.ProcessGroup],
     world = dist.get_world_size(group)
     buf = bucket.buffer()
     gathered = torch.empty(world * buf.numel(), dtype=buf.dtype, device=buf.device)
-    fut = all_gather_flat(gathered, buf, group, async_op=True).get_future()  # type: ignore[attr-defined]
+    work = all_gather_flat(gathered, buf, group, async_op=True)
+    assert work is not None  # async_op: the collective's handle
+    fut = work.get_future()
 
     def reduce(f: "torch.futures.Future[list[torch.Tensor]]") -> torch.Tensor:
         f.value()  # re-raises the collective's error (a dead peer): never sum garbage

@@ -46,7 +46,7 @@ from tp_launch.resilient import per_rank, rng
 from tp_launch.resilient.ddp import Layouts
 from tp_launch.resilient.group import all_gather_flat
 from tp_launch.resilient.rollback import Rollback
-from tp_launch.resilient.state import Cursor, State, digest_tree
+from tp_launch.resilient.state import Cursor, State
 from tp_launch.resilient.wire import (
     DTYPES,
     Holding,
@@ -383,5 +383,5 @@ def verify(state: State) -> None:
                        f"at step {state.step}")
 
 
-__all__ = ["Carrier", "Diverged", "StateLost", "TransferStats", "agree_and_transfer",
-           "digest_tree", "recv_state", "send_state", "verify"]
+__all__ = ["Carrier", "Diverged", "PeerGroup", "StateLost", "TransferStats",
+           "agree_and_transfer", "buffers_digest", "recv_state", "send_state", "verify"]

@@ -1,5 +1,8 @@
 """The state transfer's wire format: typed JSON plus raw tensors, never a pickle.
 
+One module on purpose: it is the whole format, its values, its framing and the typed
+metadata that travel in it, which change together under one :data:`VERSION`.
+
 A state travels between two ranks of a job over a gloo (or NCCL) group, that is over
 TCP ports anyone who can reach the node can connect to. So nothing received is ever
 unpickled: the structure of a state (each object's ``state_dict()`` with its tensors
