@@ -33,6 +33,9 @@ group and exits 0.
 Without an agent channel (plain torchrun, or tp-run without ``--spares``) :func:`run`
 initialises the group from the environment and calls ``train(state)`` once; the loops
 are plain counters.
+
+The connection to the agent (announcements in, ``hello``/``resumed``/``stepped``/
+``finished``/``fatal`` out) is :class:`tp_launch.resilient.link.AgentLink`.
 """
 
 from __future__ import annotations
