@@ -1,5 +1,8 @@
 """The worker <-> local agent channel of resilient mode: JSON lines over a Unix socket.
 
+One module on purpose: it is the whole contract between a worker and its agent (the
+socket's messages and the shared progress board), which both sides import alone.
+
 Workers talk only to their own node's agent. The agent listens on a Unix socket in its
 private control directory (:mod:`tp_launch.control_files`) and puts the socket's path
 in each process's environment (``TP_RUN_CHANNEL``, with the process's slot number in
@@ -10,10 +13,14 @@ messages, typed once, for both sides; it does not import torch (the agent import
 before torch).
 
 Messages, one JSON object per line (at most :data:`MAX_LINE` bytes), ``op`` naming the
-kind; each kind is a frozen dataclass whose fields are checked, type and range, when it
-is built and when it is decoded (:func:`decode`), so a peer's bad line is a
-:class:`ChannelError` (one line saying why), never a crash. Fields a decoder does not
-know are ignored.
+kind; each kind is a frozen dataclass whose fields are checked, type and range (a bound
+is part of the field's type: :data:`Count` >= 0, :data:`Positive` >= 1, :data:`Seconds`
+>= 0), when it is built and when it is decoded (:func:`decode`), so a peer's bad line is
+a :class:`ChannelError` (one line saying why), never a crash. A line longer than
+:data:`MAX_LINE` (:class:`LineReader`), not JSON, not an object, of an ``op`` the
+receiver does not accept, or with a field missing or out of type or range is refused;
+fields a decoder does not know are ignored. Both sides send only these types
+(:func:`send`).
 
 to the agent (:data:`TO_AGENT`)
     :class:`Hello` ``hello`` {slot, pid}: the process reached the wait point (model and
@@ -55,7 +62,6 @@ per-rank record (``<board>.slot<N>``, :mod:`tp_launch.resilient.per_rank`).
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import mmap
@@ -64,8 +70,8 @@ import socket
 import struct
 import types
 import typing
-from dataclasses import MISSING, asdict, dataclass, field, fields
-from typing import Any, ClassVar, Iterable, Literal
+from dataclasses import MISSING, asdict, dataclass, fields
+from typing import Annotated, Any, ClassVar, Iterable, Literal, TypeVar
 
 ENV_SOCKET = "TP_RUN_CHANNEL"
 ENV_SLOT = "TP_RUN_SLOT"
@@ -87,8 +93,18 @@ class ChannelError(ValueError):
     reason, in one line."""
 
 
-def _at_least(low: int) -> Any:
-    return field(metadata={"min": low})
+@dataclass(frozen=True)
+class AtLeast:
+    """A field's lower bound: ``Annotated[int, AtLeast(0)]``."""
+
+    low: int
+
+
+# The field types of the messages: the bound travels in the type, so a field's default
+# (or its absence) stays what the dataclass and the type checker see.
+Count = Annotated[int, AtLeast(0)]
+Positive = Annotated[int, AtLeast(1)]
+Seconds = Annotated[float, AtLeast(0)]
 
 
 def _show(value: Any) -> str:
@@ -96,23 +112,39 @@ def _show(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-@functools.cache
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
 def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    """A record type's field types, bounds included (``Annotated``), resolved once."""
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = _HINTS[cls] = typing.get_type_hints(cls, include_extras=True)
+    return hints
+
+
+def _split(hint: Any) -> tuple[Any, int | None]:
+    """A field's type without its bound, and the bound (None: unbounded)."""
+    if typing.get_origin(hint) is Annotated:
+        base, *extras = typing.get_args(hint)
+        lows = [e.low for e in extras if isinstance(e, AtLeast)]
+        return base, (lows[0] if lows else None)
+    return hint, None
 
 
 def _check(hint: Any, value: Any, name: str) -> None:
     """``value`` has the type ``hint`` names (int, float, str, a Literal of strings, a
-    nested record, or any of them | None); else ChannelError "<name> must be ...".
-    bool is not an int here, NaN and infinities are not floats."""
+    nested record, or any of them | None; a bound as :class:`AtLeast`); else
+    ChannelError "<name> must be ...". bool is not an int here, NaN and infinities are
+    not floats."""
     origin = typing.get_origin(hint)
     if origin is typing.Union or origin is types.UnionType:
         args = typing.get_args(hint)
         if value is None and type(None) in args:
             return
         (hint,) = [a for a in args if a is not type(None)]
-        origin = typing.get_origin(hint)
-    if origin is Literal:
+    hint, low = _split(hint)
+    if typing.get_origin(hint) is Literal:
         if type(value) is not str or value not in typing.get_args(hint):
             raise ChannelError(f"{name} must be one of {list(typing.get_args(hint))}, "
                                f"not {_show(value)}")
@@ -130,6 +162,11 @@ def _check(hint: Any, value: Any, name: str) -> None:
             raise ChannelError(f"{name} must be an object, not {_show(value)}")
     else:
         raise TypeError(f"channel field {name}: unsupported type {hint}")
+    if low is not None and value < low:
+        raise ChannelError(f"{name} must be at least {low}, not {_show(value)}")
+
+
+_R = TypeVar("_R", bound="_Record")
 
 
 def _record_type(hint: Any) -> type[_Record] | None:
@@ -147,14 +184,10 @@ class _Record:
     def __post_init__(self) -> None:
         hints = _hints(type(self))
         for f in fields(self):
-            value = getattr(self, f.name)
-            _check(hints[f.name], value, f.name)
-            low = f.metadata.get("min")
-            if low is not None and value is not None and value < low:
-                raise ChannelError(f"{f.name} must be at least {low}, not {_show(value)}")
+            _check(hints[f.name], getattr(self, f.name), f.name)
 
     @classmethod
-    def _from_json(cls, doc: Any) -> Any:
+    def _from_json(cls: type[_R], doc: Any) -> _R:
         if not isinstance(doc, dict):
             raise ChannelError(f"must be an object, not {_show(doc)}")
         hints = _hints(cls)
@@ -191,32 +224,32 @@ class Message(_Record):
 @dataclass(frozen=True)
 class Hello(Message):
     op: ClassVar[str] = "hello"
-    slot: int = _at_least(0)
-    pid: int = _at_least(1)
+    slot: Count
+    pid: Positive
 
 
 @dataclass(frozen=True)
 class Resumed(Message):
     op: ClassVar[str] = "resumed"
-    gen: int = _at_least(0)
-    rank: int = _at_least(0)
+    gen: Count
+    rank: Count
     step: int
-    handoff_s: float = _at_least(0)
-    group_s: float = _at_least(0)
-    agree_s: float = _at_least(0)
-    transfer_s: float = _at_least(0)
-    bytes: int = _at_least(0)
+    handoff_s: Seconds
+    group_s: Seconds
+    agree_s: Seconds
+    transfer_s: Seconds
+    bytes: Count
     donor: int | None
     t: float
-    verify_s: float = field(default=0.0, metadata={"min": 0})
+    verify_s: Seconds = 0.0
     inexact: str = ""  # what of the rank's own state could not be had, ", "-separated
 
 
 @dataclass(frozen=True)
 class Stepped(Message):
     op: ClassVar[str] = "stepped"
-    gen: int = _at_least(0)
-    rank: int = _at_least(0)
+    gen: Count
+    rank: Count
     step: int
     t: float
 
@@ -224,8 +257,8 @@ class Stepped(Message):
 @dataclass(frozen=True)
 class Finished(Message):
     op: ClassVar[str] = "finished"
-    gen: int = _at_least(0)
-    rank: int = _at_least(0)
+    gen: Count
+    rank: Count
     step: int
 
 
@@ -235,13 +268,13 @@ class Fatal(Message):
     kind: Literal["state_lost", "diverged", "usage"]
     message: str
     rank: int | None
-    gen: int = _at_least(0)
+    gen: Count
 
 
 @dataclass(frozen=True)
 class Migrate(Message):
     op: ClassVar[str] = "migrate"
-    rank: int = _at_least(0)
+    rank: Count
 
 
 # ---------------------------------------------------------------- to a worker
@@ -258,11 +291,11 @@ class Handoff(_Record):
 @dataclass(frozen=True)
 class NewGeneration(Message):
     op: ClassVar[str] = "generation"
-    gen: int = _at_least(0)
-    rank: int | None = _at_least(0)
-    world_size: int = _at_least(0)
+    gen: Count
+    rank: Count | None
+    world_size: Count
     master_addr: str
-    master_port: int = _at_least(1)
+    master_port: Positive
     reason: str
     boundary: int | None = None
     handoff: Handoff | None = None
@@ -321,11 +354,10 @@ def decode(line: bytes | str, accept: Iterable[type[Message]]) -> Message:
         raise ChannelError(f"{op}: {e}") from None
 
 
-def send(sock: socket.socket, msg: Message | dict[str, Any]) -> None:
+def send(sock: socket.socket, msg: Message) -> None:
     """Write one message (the whole line; the socket must be blocking or have a
-    timeout). A plain dict is sent as it is: the worker's side, until it sends typed
-    messages."""
-    sock.sendall(encode(msg) if isinstance(msg, Message) else json.dumps(msg).encode() + b"\n")
+    timeout)."""
+    sock.sendall(encode(msg))
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
@@ -350,11 +382,6 @@ class LineReader:
         if len(self._buf) > MAX_LINE or any(len(line) > MAX_LINE for line in lines):
             raise ChannelError(f"a line longer than {MAX_LINE} bytes")
         return [line for line in lines if line.strip()]
-
-    def feed(self, data: bytes) -> list[dict[str, Any]]:
-        """The lines as plain, unchecked dicts: the worker's reader, until it decodes
-        typed messages with :func:`decode`."""
-        return [json.loads(line) for line in self.lines(data)]
 
 
 # ---------------------------------------------------------------- progress board

@@ -543,7 +543,7 @@ class ResilientAgent(NodeAgent):
                            "%gs): %s", sorted(lost), self._gens.outage_timeout, e)
             for rank, slot in self._world.slot_of.items():
                 if rank not in lost:
-                    self._tell(slot, {"op": "recovering"})
+                    self._tell(slot, channel.Recovering())
         self._deferred = dict(lost)
         self._backend_unreachable(e)
 

@@ -1,5 +1,9 @@
 """Where worker output goes: torchrun's log directory, redirects, tee and filters.
 
+One module on purpose: the layout of the files and the threads that copy them to the
+console share one rule set (what is tee'd, filtered or prefixed, and the one-warning
+policy for a failing log disk) that would otherwise be split across two files.
+
 Layout (identical to torchrun's ``DefaultLogsSpecs``)::
 
     <log_dir>/<run_id>_<random>/attempt_<n>/<local_rank>/{stdout.log,stderr.log,error.json}
@@ -39,9 +43,12 @@ import tempfile
 import threading
 from dataclasses import dataclass, field
 from string import Template
-from typing import IO, Callable, TextIO
+from typing import IO, TYPE_CHECKING, Callable, TextIO
 
 from tp_launch.config import ConfigError, LaunchConfig, Std
+
+if TYPE_CHECKING:  # torch only where a --logs-specs plugin is used
+    from torch.distributed.elastic.multiprocessing.api import LogsSpecs
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +102,8 @@ class LogLayout:
     def __init__(self, config: LaunchConfig, run_id: str) -> None:
         self._config = config
         self._run_id = run_id
-        self._plugin = _load_logs_specs(config) if config.logs_specs else None
+        self._plugin = _load_logs_specs(config.logs_specs, config) if config.logs_specs \
+            else None
         self.run_dir = os.devnull  # no run directory: no files (see _console_attempt)
         self._temp_base: str | None = None  # made here: removed by close()
         if config.log_dir == os.devnull or self._plugin is not None:
@@ -120,7 +128,7 @@ class LogLayout:
     def attempt(self, restart_count: int) -> AttemptLogs:
         """Lay out (and empty) ``attempt_<restart_count>``."""
         if self._plugin is not None:
-            return self._plugin_attempt(restart_count)
+            return self._plugin_attempt(self._plugin, restart_count)
         if self.run_dir == os.devnull:
             return self._console_attempt()
         attempt_dir = os.path.join(self.run_dir, f"attempt_{restart_count}")
@@ -203,12 +211,12 @@ class LogLayout:
             err = err or os.devnull
         return RankLogs(out, err, tee_out, tee_err, os.path.join(rank_dir, "error.json"))
 
-    def _plugin_attempt(self, restart_count: int) -> AttemptLogs:
+    def _plugin_attempt(self, plugin: LogsSpecs, restart_count: int) -> AttemptLogs:
         """Ask a ``--logs-specs`` plugin (a torchrun LogsSpecs) where the streams go."""
         envs = {r: {"TORCHELASTIC_RUN_ID": self._run_id,
                     "TORCHELASTIC_RESTART_COUNT": str(restart_count)}
                 for r in range(self._config.nproc_per_node)}
-        dest = self._plugin.reify(envs)
+        dest = plugin.reify(envs)
         logs = AttemptLogs(os.path.dirname(dest.filtered_stdout) or os.devnull)
         for r in envs:
             logs.ranks[r] = RankLogs(
@@ -236,7 +244,8 @@ class ConsoleTail:
         global_ranks: local rank -> global rank, for the prefix template.
     """
 
-    def __init__(self, config: LaunchConfig, logs: AttemptLogs, global_ranks: dict[int, int]) -> None:
+    def __init__(self, config: LaunchConfig, logs: AttemptLogs,
+                 global_ranks: dict[int, int]) -> None:
         self._finished = threading.Event()
         self._threads: list[threading.Thread] = []
         self._files: list[TextIO] = []
@@ -258,8 +267,7 @@ class ConsoleTail:
                     continue
                 self._files.append(dup)
                 for r, path in files.items():
-                    self._start(path, dup, prefixes[r],
-                                lambda line, f=filters: any(n in line for n in f))
+                    self._start(path, dup, prefixes[r], _containing(filters))
 
     def _start(self, path: str, dst: TextIO, prefix: str,
                keep: Callable[[str], bool] | None) -> None:
@@ -278,16 +286,19 @@ class ConsoleTail:
             f.close()
 
 
-def _load_logs_specs(config: LaunchConfig) -> object:
-    """Instantiate the ``torchrun.logs_specs`` entry point named by ``--logs-specs``."""
+def _containing(filters: list[str]) -> Callable[[str], bool]:
+    """Whether a line contains one of ``filters``."""
+    return lambda line: any(n in line for n in filters)
+
+
+def _load_logs_specs(name: str, config: LaunchConfig) -> LogsSpecs:
+    """Instantiate the ``torchrun.logs_specs`` entry point ``name`` (``--logs-specs``)."""
     from importlib import metadata
 
-    from tp_launch.config import ConfigError
-
-    eps = metadata.entry_points().select(group="torchrun.logs_specs", name=config.logs_specs)
+    eps = metadata.entry_points().select(group="torchrun.logs_specs", name=name)
     if not eps:
         raise ConfigError(
-            f"--logs-specs={config.logs_specs!r}: no entry point of that name in the "
+            f"--logs-specs={name!r}: no entry point of that name in the "
             "'torchrun.logs_specs' group")
     cls = next(iter(eps)).load()
     from torch.distributed.elastic.multiprocessing.api import Std as TorchStd
@@ -385,7 +396,8 @@ class SpareOutput:
                         f.write(line)
                     except OSError as e:  # a full log disk: the file stops, not the spare
                         log_write_failed(path or "", e)
-                        f = _close_quietly(f)
+                        _close_quietly(f)
+                        f = None
                 prefix = self._console[name]
                 if prefix is not None:
                     try:

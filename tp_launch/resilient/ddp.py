@@ -41,7 +41,6 @@ scripts that registered it; it is no longer needed for exact results.
 import contextvars
 import inspect
 import json
-import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -51,8 +50,6 @@ import torch
 import torch.distributed as dist
 
 from tp_launch.resilient.group import all_gather_flat
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -141,7 +138,7 @@ class Layouts:
     # ------------------------------------------------------------------ construction
 
     def _begin(self, ddp_module: torch.nn.Module, settings: dict) -> _Construction:
-        names = {}
+        names: dict[int, str] = {}
         for name, p in ddp_module.named_parameters(remove_duplicate=False):
             names.setdefault(id(p), name)
         return _Construction(names, self._step(), settings)
@@ -169,9 +166,9 @@ class Layouts:
         self._recorders.append(_Recorder(self, ddp, c, rebuild_after=2 if static else 1))
 
     def _learned(self, c: _Construction, order: list, limits: list, rebuild_after: int) -> None:
-        params = c.params or []
+        params, sparse = c.params or [], c.sparse or []
         buckets, per_bucket = _ORIGINAL[0]([params[i] for i in order], limits,
-                                           [c.sparse[i] for i in order], order)
+                                           [sparse[i] for i in order], order)
         self.known[c.fingerprint] = Layout([list(map(int, b)) for b in buckets],
                                            [int(x) for x in per_bucket],
                                            c.step + rebuild_after)
@@ -266,11 +263,12 @@ def _patch() -> None:
                 b.copy_(value)
         layouts._built(self, c)
 
-    dist._compute_bucket_assignment_by_size = assign
-    DistributedDataParallel.__init__ = init
+    # Replacing torch's own functions is the point here (see the module's docstring).
+    dist._compute_bucket_assignment_by_size = assign  # type: ignore[assignment]
+    DistributedDataParallel.__init__ = init  # type: ignore[method-assign]
 
 
-def ordered_allreduce_hook(process_group: object,
+def ordered_allreduce_hook(process_group: Optional[dist.ProcessGroup],
                            bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket over the ranks, summing in rank order (world x the bucket's
     traffic; exact whatever the layout, and no longer needed for exactness)."""
@@ -278,7 +276,9 @@ def ordered_allreduce_hook(process_group: object,
     world = dist.get_world_size(group)
     buf = bucket.buffer()
     gathered = torch.empty(world * buf.numel(), dtype=buf.dtype, device=buf.device)
-    fut = all_gather_flat(gathered, buf, group, async_op=True).get_future()  # type: ignore[attr-defined]
+    work = all_gather_flat(gathered, buf, group, async_op=True)
+    assert work is not None  # async_op: the collective's handle
+    fut = work.get_future()
 
     def reduce(f: "torch.futures.Future[list[torch.Tensor]]") -> torch.Tensor:
         f.value()  # re-raises the collective's error (a dead peer): never sum garbage

@@ -87,8 +87,9 @@ def teardown() -> None:
     gc.collect()  # DDP and the old group's work objects sit in reference cycles
 
 
-def all_gather_flat(output: torch.Tensor, input: torch.Tensor, group: object = None,
-                    async_op: bool = False) -> object:
+def all_gather_flat(output: torch.Tensor, input: torch.Tensor,
+                    group: dist.ProcessGroup | None = None,
+                    async_op: bool = False) -> dist.Work | None:
     """Every rank's ``input``, concatenated into ``output``: ``dist.all_gather_single``
     where torch has it (2.13 deprecates ``all_gather_into_tensor`` for it), else
     ``all_gather_into_tensor`` (torch 2.4 to 2.12, which tp-run supports)."""

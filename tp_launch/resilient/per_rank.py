@@ -34,6 +34,9 @@ import os
 import struct
 import zlib
 from dataclasses import dataclass
+from typing import Sequence
+
+import torch
 
 from tp_launch.resilient import rng
 
@@ -50,7 +53,9 @@ class Entry:
     step: int
     provisional: bool
     generators: rng.RngState
-    buffers: list[bytes] | None  # None: not recorded (GPU buffers, or too large)
+    # From a record: the buffers' bytes (None: not recorded, GPU buffers or too large);
+    # a survivor's own commit: its saved buffers themselves.
+    buffers: Sequence[bytes] | Sequence[torch.Tensor | None] | None
 
 
 def encode(generators: rng.RngState, buffers: list[bytes] | None) -> bytes:

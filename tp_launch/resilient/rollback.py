@@ -37,7 +37,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -51,7 +51,9 @@ logger = logging.getLogger(__name__)
 def _sequence_number() -> int:
     """The default group's collective count (-1 when unknown)."""
     try:
-        return dist.distributed_c10d._get_default_group()._get_sequence_number_for_group()
+        group = dist.distributed_c10d._get_default_group()
+        # A method of the C++ class that torch's stubs leave out (torch 2.4 to 2.13).
+        return group._get_sequence_number_for_group()  # type: ignore[attr-defined]
     except Exception:
         return -1
 
@@ -154,8 +156,8 @@ class _Snapshot:
 
     def restore(self) -> None:
         with torch.no_grad():
-            for p, saved in self.params.values():
-                p.copy_(saved)
+            for p, kept in self.params.values():
+                p.copy_(kept)
             for opt, saved in self.optim:
                 for p in list(opt.state):
                     if p not in saved:
@@ -286,21 +288,23 @@ class Rollback:
 
     def buffers(self) -> list[torch.Tensor]:
         """Every registered module's persistent buffers, live, in a fixed order."""
-        return [sub._buffers[name] for rec in self._modules.values()
-                for sub, name in rec.buffer_slots if sub._buffers.get(name) is not None]
+        return [t for rec in self._modules.values() for sub, name in rec.buffer_slots
+                if (t := sub._buffers.get(name)) is not None]
 
     def committed_buffers(self) -> list[torch.Tensor | None]:
         """The same buffers as they were at the last commit."""
         return [b for rec in self._modules.values() for b in rec.saved_buffers]
 
-    def set_buffers(self, values: list[torch.Tensor] | list[bytes]) -> bool:
+    def set_buffers(self, values: Sequence[torch.Tensor | bytes | None]) -> bool:
         """Overwrite the live buffers (tensors, or raw bytes of the same layout);
-        False (nothing changed) when the layout does not match."""
+        False (nothing changed) when the layout does not match or a value is missing."""
         live = self.buffers()
         if len(values) != len(live):
             return False
         pairs = []
         for t, v in zip(live, values):
+            if v is None:
+                return False
             if isinstance(v, torch.Tensor):
                 if v.shape != t.shape or v.dtype != t.dtype:
                     return False

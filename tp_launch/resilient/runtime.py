@@ -33,6 +33,9 @@ group and exits 0.
 Without an agent channel (plain torchrun, or tp-run without ``--spares``) :func:`run`
 initialises the group from the environment and calls ``train(state)`` once; the loops
 are plain counters.
+
+The connection to the agent (announcements in, ``hello``/``resumed``/``stepped``/
+``finished``/``fatal`` out) is :class:`tp_launch.resilient.link.AgentLink`.
 """
 
 from __future__ import annotations
@@ -40,17 +43,16 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import socket
 import sys
-import threading
 import time
-from typing import Callable, TypeVar
+from typing import Callable, Literal, NoReturn, TypeVar
 
 import torch.distributed as dist
 
 from tp_launch import channel, control_files
 from tp_launch.resilient import group, per_rank, rng
 from tp_launch.resilient.ddp import Layouts
+from tp_launch.resilient.link import AgentLink
 from tp_launch.resilient.rollback import Rollback
 from tp_launch.resilient.state import GenerationChanged, Hooks, ResilientUsageError, State
 from tp_launch.resilient.transfer import (
@@ -75,98 +77,6 @@ RECOVERY_WAIT_S = 60.0
 _FATAL_WAIT_S = 30.0
 # Module buffers up to this size go into the per-rank record at every commit.
 _RECORD_BUFFERS_MAX = 16 << 20
-
-
-class AgentLink:
-    """This process's connection to its agent; a thread receives the announcements."""
-
-    def __init__(self, path: str, slot: int, board: str | None) -> None:
-        self.slot = slot
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.connect(path)
-        self.board = channel.ProgressBoard(board) if board else None
-        self._cond = threading.Condition()
-        self._latest: channel.NewGeneration | None = None
-        self._exit = False
-        self._recovering = False  # the agent is waiting for a spare: wait without limit
-        self.current_gen = -1
-        self.report_first_step = False
-        self.send(channel.Hello(slot=slot, pid=os.getpid()))
-        threading.Thread(target=self._read, name="tp-agent-link", daemon=True).start()
-
-    @classmethod
-    def from_env(cls) -> AgentLink | None:
-        path = os.environ.get(channel.ENV_SOCKET)
-        if not path:
-            return None
-        return cls(path, int(os.environ[channel.ENV_SLOT]), os.environ.get(channel.ENV_PROGRESS))
-
-    def _read(self) -> None:
-        reader = channel.LineReader()
-        while True:
-            try:
-                data = self.sock.recv(65536)
-                lines = reader.lines(data) if data else []
-                messages = [channel.decode(line, channel.TO_WORKER) for line in lines]
-            except channel.ChannelError as e:
-                logger.error("the agent sent a message this process cannot read: %s", e)
-                data = b""
-            except OSError:
-                data = b""
-            if not data:
-                # The agent is gone: PR_SET_PDEATHSIG ends this process in a moment.
-                with self._cond:
-                    self._exit = True
-                    self._cond.notify_all()
-                return
-            for msg in messages:
-                with self._cond:
-                    if isinstance(msg, channel.NewGeneration):
-                        if self._latest is None or msg.gen > self._latest.gen:
-                            self._latest = msg
-                    elif isinstance(msg, channel.Exit):
-                        self._exit = True
-                    elif isinstance(msg, channel.Recovering):
-                        self._recovering = True
-                    self._cond.notify_all()
-                if isinstance(msg, channel.NewGeneration) and msg.boundary is None:
-                    group.abort_nccl()  # gloo needs no help: see group.py
-
-    def send(self, msg: channel.Message) -> None:
-        channel.send(self.sock, msg)
-
-    def newer(self) -> channel.NewGeneration | None:
-        """The announced generation if it is newer than the current one."""
-        latest = self._latest
-        return latest if latest is not None and latest.gen > self.current_gen else None
-
-    def stale(self) -> bool:
-        return self.newer() is not None
-
-    def wait_exit(self, timeout: float) -> None:
-        """Block until the agent says exit (or goes away), at most ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while not self._exit and time.monotonic() < deadline:
-                self._cond.wait(deadline - time.monotonic())
-
-    def wait(self, timeout: float | None) -> channel.NewGeneration | channel.Exit | None:
-        """Block until a newer generation or the exit arrives (None: ``timeout``
-        passed). A parked spare also leaves on exit: the job is over."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while True:
-                newer = self.newer()
-                if newer is not None:
-                    return newer
-                if self._exit:
-                    return channel.Exit()
-                if self._recovering:
-                    deadline = None
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return None
-                self._cond.wait(remaining)
 
 
 def parked_spares() -> int:
@@ -255,7 +165,7 @@ class _Runner:
         board = os.environ.get(channel.ENV_PROGRESS)
         self.record = _open_record(f"{board}.slot{link.slot}", create=True) if board else None
         # A rank process starts with the state it built (or loaded); a spare holds none.
-        state._holds = os.environ.get("TP_RUN_SPARE") != "1"  # type: ignore[attr-defined]
+        state._holds = os.environ.get("TP_RUN_SPARE") != "1"
         state.hooks = _ResilientHooks(self)
 
     def loop(self, train: Callable[[State], T]) -> T:
@@ -270,7 +180,7 @@ class _Runner:
             script_error: Exception | None = None
             try:
                 if gen.rank is None:
-                    self._retire(gen)  # not a rank in this generation
+                    self._retire(gen)  # not a rank in this generation: exits
                 self.rank = gen.rank
                 self._enter(gen)
                 result = train(self.state)
@@ -335,8 +245,7 @@ class _Runner:
             inexact=", ".join(stats.inexact)))
         if link.board is not None:
             link.board.write(link.slot, state.step)
-        link._recovering = False
-        link.report_first_step = True
+        link.joined()
 
     def _record(self, provisional: bool) -> None:
         """Write this rank's own state (generators, CPU buffers) to its record: at a
@@ -380,7 +289,7 @@ class _Runner:
 
         return at
 
-    def _retire(self, gen: channel.NewGeneration) -> None:
+    def _retire(self, gen: channel.NewGeneration) -> NoReturn:
         """This rank leaves (planned migration): hand the state over, then exit 0."""
         if gen.handoff is not None and gen.handoff.role == "donor":
             store = group.connect_store(gen.master_addr, gen.master_port)
@@ -396,7 +305,7 @@ class _Runner:
         try:
             if receiver:
                 got = recv_state(self.carrier, pg, 0)
-                self.state._holds = True  # type: ignore[attr-defined]
+                self.state._holds = True
                 return got
             if not self.rollback.restore():
                 raise StateLost("the retiring rank cannot restore its committed state")
@@ -407,10 +316,9 @@ class _Runner:
     def _fatal(self, gen: channel.NewGeneration, e: Exception) -> None:
         """The job cannot go on exactly: tell the agent (it prints the one line and
         stops the job), wait to be stopped."""
-        kind = {StateLost: "state_lost", Diverged: "diverged"}.get(type(e), "usage")
         logger.info("rank %s: %s", gen.rank, e)
         try:
-            self.link.send(channel.Fatal(kind=kind, message=str(e).replace("\n", " "),
+            self.link.send(channel.Fatal(kind=_fatal_kind(e), message=str(e).replace("\n", " "),
                                          rank=gen.rank, gen=gen.gen))
         except OSError:
             pass
@@ -418,6 +326,15 @@ class _Runner:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
+
+
+def _fatal_kind(e: Exception) -> Literal["state_lost", "diverged", "usage"]:
+    """The ``fatal`` message's kind for why the job cannot go on."""
+    if type(e) is StateLost:
+        return "state_lost"
+    if type(e) is Diverged:
+        return "diverged"
+    return "usage"
 
 
 def _open_record(path: str, create: bool) -> per_rank.Record | None:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterable, Iterator
 
@@ -42,8 +41,6 @@ import torch
 
 from tp_launch.resilient import rng
 from tp_launch.resilient.wire import encode, tensor_bytes
-
-logger = logging.getLogger(__name__)
 
 
 class GenerationChanged(Exception):
@@ -127,6 +124,9 @@ class State:
         self._replaying = False  # epochs() restored the pass's generators: batches() need not
         self._resume_rng: dict[str, Any] | None = None  # the committed ones, meanwhile
         self._broken: tuple[list[Callable[[], Any]], bool] | None = None
+        # Resilient mode: whether this process holds the job's committed state (a rank
+        # that built or received it; not a spare). The runtime and the transfer set it.
+        self._holds = False
 
     def __getattr__(self, name: str) -> Any:
         objects = self.__dict__.get("objects", {})

@@ -37,7 +37,7 @@ import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -46,9 +46,11 @@ from tp_launch.resilient import per_rank, rng
 from tp_launch.resilient.ddp import Layouts
 from tp_launch.resilient.group import all_gather_flat
 from tp_launch.resilient.rollback import Rollback
-from tp_launch.resilient.state import Cursor, State, digest_tree
+from tp_launch.resilient.state import Cursor, State
 from tp_launch.resilient.wire import (
     DTYPES,
+    Holding,
+    StateMessage,
     WireError,
     fill,
     leaves,
@@ -102,18 +104,21 @@ class Carrier:
         buffers = [b for m in state.modules.values() for b in _persistent_buffers(m)]
         return Carrier(state, rollback, layouts, rng.capture(), buffers_digest(buffers))
 
-    def tree(self) -> dict[str, Any]:
-        """The committed state as one tree (call after a successful rollback)."""
+    def message(self) -> StateMessage:
+        """The committed state as one message (call after a successful rollback)."""
         s, rb = self.state, self.rollback
-        return {"cursor": s.cursor.to_tree(), "extra": s.extra,
-                "objects": {n: o.state_dict() for n, o in s.objects.items()},
-                "rng": rb.rng if rb.rng is not None else rng.capture(),
-                "grads": rb.gradients(), "modes": rb.modes(),
-                "layouts": self.layouts.to_tree(),
-                "per_rank_generators": sorted(self.per_rank_generators)}
+        return StateMessage(cursor=s.cursor.to_tree(), extra=s.extra,
+                            objects={n: o.state_dict() for n, o in s.objects.items()},
+                            rng=rb.rng if rb.rng is not None else rng.capture(),
+                            grads=rb.gradients(), modes=rb.modes(),
+                            layouts=self.layouts.to_tree(),
+                            per_rank_generators=sorted(self.per_rank_generators))
 
 
 # ---------------------------------------------------------------- send / receive
+
+# Where a state moves: the generation's group, or a planned migration's bare gloo pair.
+PeerGroup = Union[dist.ProcessGroup, dist.ProcessGroupGloo]
 
 
 def _carries(pg: Any, t: torch.Tensor) -> bool:
@@ -146,12 +151,12 @@ def _p2p(pg: Any, peer: int, receive: bool) -> Callable[[torch.Tensor], None]:
     return move
 
 
-def send_state(carrier: Carrier, pg: dist.ProcessGroup, dst: int) -> int:
+def send_state(carrier: Carrier, pg: PeerGroup, dst: int) -> int:
     """Send the committed state to ``dst`` in ``pg``; returns the tensor bytes sent."""
-    return send_message(carrier.tree(), _p2p(pg, dst, receive=False))
+    return send_message(carrier.message().to_tree(), _p2p(pg, dst, receive=False))
 
 
-def recv_state(carrier: Carrier, pg: dist.ProcessGroup, src: int) -> int:
+def recv_state(carrier: Carrier, pg: PeerGroup, src: int) -> int:
     """Receive a committed state from ``src`` in ``pg`` and adopt it; returns bytes.
 
     Raises:
@@ -159,53 +164,51 @@ def recv_state(carrier: Carrier, pg: dist.ProcessGroup, src: int) -> int:
     """
     recv = _p2p(pg, src, receive=True)
     tree, specs = receive_document(recv)
-    if not isinstance(tree, dict) or not {"cursor", "extra", "objects", "rng"} <= set(tree):
-        raise WireError("the message is not a training state")
+    message = StateMessage.from_tree(tree)
     state = carrier.state
-    objects = tree["objects"]
-    if not isinstance(objects, dict) or set(objects) != set(state.objects):
-        raise WireError(f"the sender's state has objects {sorted(map(str, objects))}, "
+    if set(message.objects) != set(state.objects):
+        raise WireError(f"the sender's state has objects {sorted(message.objects)}, "
                         f"this process's has {sorted(state.objects)}")
     own: dict[tuple[Any, ...], torch.Tensor] = {}
     for name, module in state.modules.items():
         own.update({("objects", name, k): v for k, v in module.state_dict().items()})
-    buffers: list[torch.Tensor | None] = [None] * len(specs)
     in_place: dict[str, bool] = {name: True for name in state.modules}
-    placed = leaves(tree)
-    if sorted(leaf.index for _, leaf in placed) != list(range(len(specs))):
+    placed = sorted(leaves(tree), key=lambda pl: pl[1].index)
+    if [leaf.index for _, leaf in placed] != list(range(len(specs))):
         raise WireError("the document's tensors and declarations disagree")
+    buffers: list[torch.Tensor] = []
     for path, leaf in placed:
         spec = specs[leaf.index]
         mine = own.get(path)
         if mine is not None and tuple(mine.shape) == spec.shape \
                 and mine.dtype == DTYPES[spec.dtype] and mine.is_contiguous():
-            buffers[leaf.index] = mine
+            buffers.append(mine)
             continue
         if len(path) >= 2 and path[0] == "objects" and path[1] in in_place:
             in_place[path[1]] = False
         device = mine.device if mine is not None else _device_of(state, path)
-        buffers[leaf.index] = torch.empty(spec.shape, dtype=DTYPES[spec.dtype], device=device)
-    got = receive_tensors(specs, buffers, recv)  # type: ignore[arg-type]
-    _adopt(carrier, fill(tree, buffers), in_place)
+        buffers.append(torch.empty(spec.shape, dtype=DTYPES[spec.dtype], device=device))
+    got = receive_tensors(specs, buffers, recv)
+    _adopt(carrier, StateMessage.from_tree(fill(tree, buffers)), in_place)
     return got
 
 
-def _adopt(carrier: Carrier, tree: dict[str, Any], in_place: dict[str, bool]) -> None:
+def _adopt(carrier: Carrier, message: StateMessage, in_place: dict[str, bool]) -> None:
     state = carrier.state
     try:
         for name, obj in state.objects.items():
-            sd = tree["objects"][name]
+            sd = message.objects[name]
             if isinstance(obj, torch.nn.Module) and in_place.get(name) \
                     and set(sd) == set(obj.state_dict()) \
                     and all(isinstance(v, torch.Tensor) for v in sd.values()):
                 continue  # every tensor arrived in place
             obj.load_state_dict(sd)
-        state.cursor = Cursor.from_tree(tree["cursor"])
-        state.extra = dict(tree["extra"])
-        rng.restore(tree["rng"])
-        carrier.rollback.adopt(tree.get("grads", {}), tree.get("modes", {}))
-        carrier.layouts.adopt(tree.get("layouts", {}))
-        carrier.per_rank_generators = {g for g in tree.get("per_rank_generators", [])
+        state.cursor = Cursor.from_tree(message.cursor)
+        state.extra = dict(message.extra)
+        rng.restore(message.rng)
+        carrier.rollback.adopt(message.grads, message.modes)
+        carrier.layouts.adopt(message.layouts)
+        carrier.per_rank_generators = {g for g in message.per_rank_generators
                                        if g in rng.GENERATORS}
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise WireError(f"the received state does not fit this script's: {e}") from None
@@ -251,22 +254,21 @@ def agree_and_transfer(carrier: Carrier, fresh: bool,
     pg = dist.distributed_c10d._get_default_group()
     state, rollback = carrier.state, carrier.rollback
     t0 = time.monotonic()
-    held = bool(getattr(state, "_holds", False))
+    held = state._holds
     holds = fresh or (held and rollback.restore())
     own = rollback.rng if rollback.rng is not None else rng.capture()
     words = rng.digests(own)
     initial = rng.digests(carrier.initial_rng)
     used = sum(1 << i for i, g in enumerate(rng.GENERATORS) if words[g] != initial[g])
-    buffers = _buffers_digest(rollback.committed_buffers())
+    buffers = buffers_digest(rollback.committed_buffers())
     used |= (buffers != carrier.initial_buffers) << _BUFFERS_BIT
-    mine = torch.tensor([state.step if holds else -1, state.step if held else -1, used,
-                         buffers,
-                         *(words[g] for g in rng.GENERATORS)], dtype=torch.int64)
-    width = mine.numel()
-    gathered = torch.zeros(world * width, dtype=torch.int64)
-    all_gather_flat(gathered, mine)
-    rows = gathered.view(world, width).tolist()
-    steps = [r[0] for r in rows]
+    mine = Holding(step=state.step if holds else -1, own_step=state.step if held else -1,
+                   used=used, buffers=buffers,
+                   generators=tuple(words[g] for g in rng.GENERATORS))
+    gathered = torch.zeros(world * Holding.width(len(rng.GENERATORS)), dtype=torch.int64)
+    all_gather_flat(gathered, mine.to_tensor())
+    rows = Holding.rows(gathered, world)
+    steps = [r.step for r in rows]
     top = max(steps)
     stats = TransferStats(step=top, agree_s=time.monotonic() - t0)
     if fresh:
@@ -276,8 +278,8 @@ def agree_and_transfer(carrier: Carrier, fresh: bool,
         # Every rank is here: which generators were seeded differently is known now.
         carrier.per_rank_generators = {
             g for i, g in enumerate(rng.GENERATORS)
-            if len({row[_ROW_GENERATORS + i] for row in rows}) > 1}
-        state._holds = True  # type: ignore[attr-defined]
+            if len({row.generators[i] for row in rows}) > 1}
+        state._holds = True
         return stats
     if top < 0:
         raise StateLost("no rank holds the training state any more (every rank that "
@@ -292,8 +294,8 @@ def agree_and_transfer(carrier: Carrier, fresh: bool,
         stats.donor = plan[rank]
         stats.bytes = recv_state(carrier, pg, plan[rank])
         mine_at_top = None
-        if rows[rank][1] == top:
-            mine_at_top = per_rank.Entry(top, False, own, own_buffers)  # type: ignore[arg-type]
+        if rows[rank].own_step == top:
+            mine_at_top = per_rank.Entry(top, False, own, own_buffers)
         elif predecessor is not None:
             mine_at_top = predecessor(top)
         stats.inexact = _own_state(carrier, rows, donors, own, mine_at_top)
@@ -302,7 +304,7 @@ def agree_and_transfer(carrier: Carrier, fresh: bool,
             if donor == rank:
                 stats.bytes += send_state(carrier, pg, receiver)
     stats.transfer_s = time.monotonic() - t1
-    state._holds = True  # type: ignore[attr-defined]
+    state._holds = True
     if plan:
         logger.info("rank %s: state at step %s %s (%d bytes, %.3f s)", rank, top,
                     f"received from rank {plan[rank]}" if rank in plan else "sent",
@@ -313,18 +315,14 @@ def agree_and_transfer(carrier: Carrier, fresh: bool,
     return stats
 
 
-_ROW_USED, _ROW_BUFFERS, _ROW_GENERATORS = 2, 3, 4
 _BUFFERS_BIT = len(rng.GENERATORS)
 
 
-def buffers_digest(buffers: list[torch.Tensor] | list[torch.Tensor | None]) -> int:
+def buffers_digest(buffers: Sequence[torch.Tensor | None]) -> int:
     h = hashlib.blake2b(digest_size=8)
     for b in buffers:
         h.update(b"-" if b is None else tensor_bytes(b))
     return int.from_bytes(h.digest(), "little", signed=True)
-
-
-_buffers_digest = buffers_digest
 
 
 def _persistent_buffers(module: torch.nn.Module) -> list[torch.Tensor]:
@@ -332,14 +330,14 @@ def _persistent_buffers(module: torch.nn.Module) -> list[torch.Tensor]:
     return [b for name, b in module.named_buffers() if name in sd]
 
 
-def _own_state(carrier: Carrier, rows: list[list[int]], donors: list[int],
+def _own_state(carrier: Carrier, rows: list[Holding], donors: list[int],
                own: rng.RngState, mine: per_rank.Entry | None) -> list[str]:
     """A receiver took the donor's state; put back what is this rank's own (generators
     seeded per rank, module buffers), from its own commit at the agreed step or its
     predecessor's record of it. Returns what could not be had and mattered."""
     used = 0
     for d in donors:  # a receiver's own row says nothing: it may hold no commit at all
-        used |= rows[d][_ROW_USED]
+        used |= rows[d].used
     lost: list[str] = []
     keep_own: set[str] = set()
     from_mine: set[str] = set()
@@ -356,13 +354,13 @@ def _own_state(carrier: Carrier, rows: list[list[int]], donors: list[int],
     if mine is not None and from_mine:
         rng.restore(mine.generators, from_mine)
     restored = mine is not None and mine.buffers is not None and \
-        carrier.rollback.set_buffers(mine.buffers)  # type: ignore[arg-type]
+        carrier.rollback.set_buffers(mine.buffers)
     if not restored and used & (1 << _BUFFERS_BIT):
         lost.append("module buffers")
     if lost:
         logger.warning("rank %s: its own %s at step %s died with its previous process; it "
                        "goes on with a donor's (results may differ from a run without the "
-                       "failure)", dist.get_rank(), " and ".join(lost), rows[donors[0]][0])
+                       "failure)", dist.get_rank(), " and ".join(lost), rows[donors[0]].step)
     return lost
 
 
@@ -385,5 +383,5 @@ def verify(state: State) -> None:
                        f"at step {state.step}")
 
 
-__all__ = ["Carrier", "Diverged", "StateLost", "TransferStats", "agree_and_transfer",
-           "digest_tree", "recv_state", "send_state", "verify"]
+__all__ = ["Carrier", "Diverged", "PeerGroup", "StateLost", "TransferStats",
+           "agree_and_transfer", "buffers_digest", "recv_state", "send_state", "verify"]

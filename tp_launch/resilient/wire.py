@@ -1,5 +1,8 @@
 """The state transfer's wire format: typed JSON plus raw tensors, never a pickle.
 
+One module on purpose: it is the whole format, its values, its framing and the typed
+metadata that travel in it, which change together under one :data:`VERSION`.
+
 A state travels between two ranks of a job over a gloo (or NCCL) group, that is over
 TCP ports anyone who can reach the node can connect to. So nothing received is ever
 unpickled: the structure of a state (each object's ``state_dict()`` with its tensors
@@ -29,8 +32,27 @@ refused on the *sender* with the path of the offending value.
 
 A message on the wire, in order: a header (one int64 tensor: :data:`MAGIC`,
 :data:`VERSION`, the document's length), the document (a uint8 tensor of UTF-8 JSON:
-``{"tree": <value>, "tensors": [[shape, dtype], ...]}``), then the tensors as the
-sender's and the receiver's identical :func:`plan_sends` groups them.
+``{"tree": <value>, "tensors": [[shape, dtype], ...]}``, each declaration a
+:class:`TensorSpec`), then the tensors as the sender's and the receiver's identical
+:func:`plan_sends` groups them. A receiver refuses another :data:`VERSION`.
+
+What travels, typed here and parsed strictly (a :class:`WireError` names what is wrong):
+
+* :class:`StateMessage`, the tree of a state transfer (:mod:`tp_launch.resilient.transfer`):
+  exactly the keys ``cursor`` (the committed position:
+  ``tp_launch.resilient.state.Cursor.to_tree()``), ``extra`` (an object), ``objects``
+  (registered name -> ``state_dict()``), ``rng`` (generator name -> state:
+  :mod:`tp_launch.resilient.rng`), ``grads`` and ``modes`` (module name -> one bool per
+  parameter: had a gradient; per submodule: ``training``), ``layouts`` (fingerprint ->
+  a DDP bucket layout: ``tp_launch.resilient.ddp.Layout.to_tree()``) and
+  ``per_rank_generators`` (generator names). The nested position and layouts are
+  checked by their own types when adopted.
+* :class:`Holding`, one rank's row of the agreement before a transfer, all-gathered as
+  int64 words in this order: ``step`` (the committed step it can provide, -1: none),
+  ``own_step`` (its last commit, restorable or not, -1: none), ``used`` (bit i: the
+  i-th generator of :data:`tp_launch.resilient.rng.GENERATORS` was drawn from since
+  ``run()`` began; the next bit: the modules' buffers changed), ``buffers`` (a digest
+  of its committed module buffers), then one digest word per generator.
 """
 
 from __future__ import annotations
@@ -39,7 +61,7 @@ import base64
 import ctypes
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Callable, Sequence
 
 import torch
@@ -95,6 +117,75 @@ class TensorSpec:
                 and all(type(n) is int and 0 <= n < 1 << 48 for n in d[0])):
             raise WireError(f"bad tensor declaration {str(d)[:80]!r}")
         return TensorSpec(tuple(d[0]), d[1])
+
+
+@dataclass(frozen=True)
+class StateMessage:
+    """The tree a donor sends: a rank's committed state (see the module's docstring).
+    Tensors are wherever the values hold them (placeholders before they arrive)."""
+
+    cursor: dict[str, Any]
+    extra: dict[Any, Any]
+    objects: dict[str, Any]
+    rng: dict[str, Any]
+    grads: dict[str, list[bool]]
+    modes: dict[str, list[bool]]
+    layouts: dict[str, Any]
+    per_rank_generators: list[str]
+
+    def to_tree(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @staticmethod
+    def from_tree(tree: Any) -> StateMessage:
+        """Raises WireError: not a dict of exactly these keys, or a part of another type."""
+        names = [f.name for f in fields(StateMessage)]
+        if not isinstance(tree, dict) or set(tree) != set(names):
+            keys = sorted(map(str, tree)) if isinstance(tree, dict) else type(tree).__name__
+            raise WireError(f"the message is not a training state (it has {keys})")
+        for name in ("cursor", "extra", "objects", "rng", "grads", "modes", "layouts"):
+            if not isinstance(tree[name], dict):
+                raise WireError(f"the state's {name} is not an object")
+        for name in ("objects", "rng", "grads", "modes", "layouts"):
+            if not all(isinstance(k, str) for k in tree[name]):
+                raise WireError(f"the state's {name} has a key that is not a string")
+        for name in ("grads", "modes"):
+            if not all(isinstance(v, list) and all(type(b) is bool for b in v)
+                       for v in tree[name].values()):
+                raise WireError(f"the state's {name} are not lists of booleans")
+        generators = tree["per_rank_generators"]
+        if not (isinstance(generators, list) and all(isinstance(g, str) for g in generators)):
+            raise WireError("the state's per_rank_generators are not a list of names")
+        return StateMessage(**{name: tree[name] for name in names})
+
+
+@dataclass(frozen=True)
+class Holding:
+    """One rank's row of the agreement (see the module's docstring)."""
+
+    step: int
+    own_step: int
+    used: int
+    buffers: int
+    generators: tuple[int, ...]
+
+    def to_tensor(self) -> torch.Tensor:
+        return torch.tensor([self.step, self.own_step, self.used, self.buffers,
+                             *self.generators], dtype=torch.int64)
+
+    @staticmethod
+    def width(generators: int) -> int:
+        """The words of a row with ``generators`` generator digests."""
+        return 4 + generators
+
+    @staticmethod
+    def rows(gathered: torch.Tensor, world: int) -> list[Holding]:
+        """The rows of an all-gather of :meth:`to_tensor` over ``world`` ranks."""
+        if gathered.dtype != torch.int64 or gathered.numel() % world \
+                or gathered.numel() // world < Holding.width(0):
+            raise WireError(f"bad agreement of {gathered.numel()} words for {world} ranks")
+        return [Holding(r[0], r[1], r[2], r[3], tuple(r[4:]))
+                for r in gathered.view(world, -1).tolist()]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
