@@ -1,15 +1,18 @@
 """The agent's multi-node rendezvous: the membership protocol plus the workers' store.
 
 :class:`MembershipRendezvous` is what ``--rdzv-backend etcd|etcd-v2|etcd-v3|c10d`` with
-more than one node gives the agent. Beyond :class:`~rendezvous.api.RendezvousHandler`
-it offers what multi-node compatible mode needs:
+more than one node gives the agent. It overrides the multi-node hooks that
+:class:`~rendezvous.api.RendezvousHandler` declares:
 
 - :attr:`~MembershipRendezvous.fd`: readable when the world changed (another node
   failed, left, or waits to be admitted); :meth:`~MembershipRendezvous.world_change`
   says how. The agent ``select``s on it next to its workers' pidfds.
 - :meth:`~MembershipRendezvous.report_failure`: this node's workers failed; every node
   restarts (or, with no restarts left, stops).
-- :meth:`~MembershipRendezvous.exit_barrier`: wait until every node succeeded.
+- :meth:`~MembershipRendezvous.exit_barrier`: wait until every node succeeded;
+- :meth:`~MembershipRendezvous.accept_spare_nodes`: resilient mode, where
+  :attr:`~MembershipRendezvous.membership` also serves the generations
+  (:mod:`tp_launch.agent.generations`).
 
 and, for the hot-spare work, the generation (fencing token), its compare-and-swap and
 the redundancy list, straight from :class:`~rendezvous.membership.Membership`.
@@ -51,8 +54,6 @@ class MembershipRendezvous(RendezvousHandler):
         return self.membership.run_id
 
     def accept_spare_nodes(self) -> None:
-        """Resilient mode: a node beyond the world joins as a spare node (its
-        :class:`~rendezvous.api.RendezvousInfo` has ``node_rank`` -1) instead of waiting."""
         self.membership.accept_spare = True
 
     def next_rendezvous(self, local_world_size: int) -> RendezvousInfo:
@@ -101,8 +102,8 @@ class MembershipRendezvous(RendezvousHandler):
     def world_change(self) -> WorldChange | None:
         return self.membership.world_change()
 
-    def report_failure(self, detail: str) -> bool:
-        return self.membership.report_failure(detail)
+    def report_failure(self, detail: str) -> None:
+        self.membership.report_failure(detail)
 
     def exit_barrier(self) -> WorldChange | None:
         return self.membership.exit_barrier()

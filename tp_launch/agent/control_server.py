@@ -34,7 +34,14 @@ from typing import Callable
 
 from tp_launch import channel
 from tp_launch.config import ConfigError
-from tp_launch.control_files import AgentStatus, new_control_dir, status_path, write_status
+from tp_launch.control_files import (
+    AgentStatus,
+    agent_progress_board,
+    agent_socket,
+    new_control_dir,
+    status_path,
+    write_status,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -77,10 +84,10 @@ class ControlServer:
             self.directory = new_control_dir()
         except OSError as e:
             raise ConfigError(f"cannot make a private control directory: {e}") from None
-        self.path = os.path.join(self.directory, f"{os.getpid()}.sock")
+        self.path = agent_socket(self.directory, os.getpid())
         try:
-            self.board = channel.ProgressBoard(
-                os.path.join(self.directory, f"{os.getpid()}.progress"), create=True)
+            self.board = channel.ProgressBoard(agent_progress_board(self.directory, os.getpid()),
+                                               create=True)
             self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self._server.bind(self.path)
             os.chmod(self.path, 0o600)
