@@ -135,6 +135,11 @@ class ProcessFailure:
         )
 
 
+def first_observed(failures: list[ProcessFailure]) -> ProcessFailure | None:
+    """The root cause among ``failures``: the one the agent saw first (None: none)."""
+    return min(failures, key=lambda f: f.observed, default=None)
+
+
 def exit_description(code: int | None) -> str:
     """How a process ended, in words: ``was killed by SIGKILL``, ``exited with code 1``."""
     if code is not None and code < 0:

@@ -157,8 +157,9 @@ class LocalGenerations:
 
     def __init__(self, info: RendezvousInfo) -> None:
         self.info = info
-        self._current = Generation(0, {r: self.node for r in range(info.world_size)},
-                                   self.store)
+        self._first = Generation(0, {r: self.node for r in range(info.world_size)},
+                                 self.store)
+        self._current = self._first  # the last one published
         self._finished: dict[str, int] = {}  # node -> generation its ranks finished in
 
     @property
@@ -166,7 +167,7 @@ class LocalGenerations:
         return self.info.master_addr, self.info.master_port
 
     def initial(self) -> Generation:
-        return self._current
+        return self._first
 
     def view(self) -> View:
         return View(self._current, {self.node}, [], dict(self._finished))

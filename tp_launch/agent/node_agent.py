@@ -33,7 +33,12 @@ from rendezvous import RendezvousHandler, RendezvousInfo
 from rendezvous.api import WorldChange
 from rendezvous.wakeup import WakeupPipe
 from tp_launch.agent.events import EventLog
-from tp_launch.agent.failures import ProcessFailure, copy_root_cause, format_summary
+from tp_launch.agent.failures import (
+    ProcessFailure,
+    copy_root_cause,
+    first_observed,
+    format_summary,
+)
 from tp_launch.agent.worker_env import worker_argv, worker_env
 from tp_launch.config import ConfigError, LaunchConfig
 from tp_launch.procs.logs import AttemptLogs, ConsoleTail, LogLayout
@@ -277,8 +282,8 @@ class NodeAgent:
         ordered = sorted(self.workers, key=lambda w: (w.pid not in first_pids, w.local_rank))
         failures = [ProcessFailure.of_exit(w, global_ranks[w.local_rank])
                     for w in ordered if w.returncode]
-        root = min((f for f in failures if f.pid in first_pids),
-                   key=lambda f: f.observed)
+        root = first_observed([f for f in failures if f.pid in first_pids])
+        assert root is not None  # the first failures exited non-zero
         # torchrun's order: the peers' closing signals, then the first failure, once.
         logger.error("failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s",
                      root.exitcode, root.local_rank, root.pid, cfg.entrypoint[0])
@@ -300,8 +305,7 @@ class NodeAgent:
         stop_workers(self.workers, signal.SIGTERM, cfg.shutdown_timeout)
         failures = [ProcessFailure.of_exit(w, global_ranks[w.local_rank])
                     for w in sorted(self.workers, key=lambda w: w.local_rank) if w.returncode]
-        root = min(failures, key=lambda f: f.observed) if failures else None
-        return AttemptResult(failures, root, change)
+        return AttemptResult(failures, first_observed(failures), change)
 
     def _exit_barrier(self) -> WorldChange | None:
         """Multi-node: wait until every node succeeded (the change if one did not)."""
