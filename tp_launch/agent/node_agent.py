@@ -318,4 +318,4 @@ class NodeAgent:
     def _release_workers(self) -> None:
         for w in self.workers:
             w.close()
-        self.workers = []
+        self.workers.clear()  # the list itself is shared (resilient mode's Processes)

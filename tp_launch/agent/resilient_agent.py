@@ -66,7 +66,6 @@ import json
 import logging
 import selectors
 import signal
-import subprocess
 import sys
 import time
 from typing import Any
@@ -76,32 +75,18 @@ from rendezvous.kv import KVError, KVUnavailable
 from rendezvous.membership import CHANGE_FAILURE, CHANGE_LOST, WorldChange
 from tp_launch import channel
 from tp_launch.agent.attempt import Attempt, Proc
-from tp_launch.agent.control import (
-    Generation,
-    SpareRestarts,
-    World,
-    failures_served,
-    place,
-)
+from tp_launch.agent.control import Generation, World, failures_served, place
 from tp_launch.agent.control_server import Conn, ControlServer
-from tp_launch.agent.failures import exit_description
 from tp_launch.agent.generations import View, open_generations, shared_membership
-from tp_launch.agent.node_agent import (
-    AttemptResult,
-    NodeAgent,
-    SignalReceived,
-    SignalWatch,
-)
+from tp_launch.agent.node_agent import AttemptResult, NodeAgent, SignalReceived, SignalWatch
+from tp_launch.agent.processes import Processes
 from tp_launch.agent.recovery_report import Recovery, recovery_report
-from tp_launch.agent.worker_env import spare_env, worker_argv, worker_env
 from tp_launch.config import ConfigError, LaunchConfig
-from tp_launch.procs.logs import ConsoleTail, LogLayout, RankLogs, SpareOutput
-from tp_launch.procs.worker import WorkerProcess, stop_workers
+from tp_launch.procs.logs import ConsoleTail, LogLayout
+from tp_launch.procs.worker import stop_workers
 
 logger = logging.getLogger(__name__)
 
-# The job is over: how long spares told to exit get to do so before they are stopped.
-_SPARE_EXIT_S = 5.0
 # Steps past the highest committed step at which a planned migration stops the ranks:
 # ranks are within one step of each other, the announcement takes microseconds.
 _MIGRATION_MARGIN = 2
@@ -131,12 +116,7 @@ class ResilientAgent(NodeAgent):
         super().__init__(config, rdzv, layout)
         # Job-wide, across attempts:
         self._no_restart = False
-        # A rank of this node said hello (the script uses tp_launch.resilient); until then
-        # no spare is started, since a script that does not opt in would only run (and
-        # crash, or write files) beside the ranks.
-        self._opted_in = False
-        self._spare_restarts = SpareRestarts()
-        self._said_unused = False
+        self.processes = Processes(config, self.layout, self.workers)
         self.attempt: Attempt  # the attempt in progress, or the last one
 
     def run(self, watch: SignalWatch) -> int:
@@ -187,14 +167,14 @@ class ResilientAgent(NodeAgent):
             # has no rank to learn from whether the script opts in).
             pool=cfg.spares if mine else cfg.nproc_per_node,
             next_slot=cfg.nproc_per_node if mine else 0,
-            spares_wanted=self._opted_in or not mine)
+            spares_wanted=self.processes.opted_in or not mine)
         at = self.attempt
         try:
             for local, rank in enumerate(mine):
-                self._spawn_slot(local, logs.ranks[local])
+                self.processes.spawn(at, local, logs.ranks[local])
                 at.world.slot_of[rank] = local
                 at.holders.add(rank)  # its freshly built (or loaded) state
-            self._spawn_missing_spares()
+            self.processes.spawn_missing(at)
             self._write_status()
             return self._monitor_resilient(watch)
         except StopJob as e:
@@ -206,7 +186,7 @@ class ResilientAgent(NodeAgent):
             raise
         finally:
             if at.ended:
-                self._let_spares_leave()
+                self.processes.let_spares_leave(at)
             stop_workers(self.workers, signal.SIGTERM, cfg.shutdown_timeout)
             at.tail.stop()
             for proc in at.procs.values():
@@ -216,56 +196,6 @@ class ResilientAgent(NodeAgent):
             at.sel.close()
             at.gens.close()
             self._release_workers()
-
-    # ------------------------------------------------------------------ processes
-
-    def _spawn_slot(self, slot: int, rl: RankLogs, spare: bool = False) -> Proc:
-        at = self.attempt
-        cfg, info = self.config, at.info
-        # A rank's device is its local rank; a spare's, the lowest one no live process
-        # uses (slots only grow: a slot number would point past the node's last device).
-        device = at.free_device() if spare else slot
-        make_env = spare_env if spare else worker_env
-        env = make_env(cfg, info, device, at.restart_count, rl.error_file)
-        env.update({channel.ENV_SOCKET: at.control.path, channel.ENV_SLOT: str(slot),
-                    channel.ENV_PROGRESS: at.board.path})
-        if cfg.verify_every:
-            env[channel.ENV_VERIFY_EVERY] = str(cfg.verify_every)
-        argv = worker_argv(cfg, device)
-        try:
-            worker = WorkerProcess(argv, env, rl.stdout, rl.stderr, device, piped=spare)
-        except OSError as e:
-            raise ConfigError(f"cannot start {argv[0]}: {e.strerror or e}") from None
-        self.workers.append(worker)
-        proc = Proc(slot, worker, rl, output=SpareOutput(worker.popen, rl) if spare else None)
-        at.procs[slot] = proc
-        at.sel.register(worker.pidfd, selectors.EVENT_READ, ("exit", proc))
-        return proc
-
-    def _spawn_spare(self) -> None:
-        at = self.attempt
-        slot = at.next_slot
-        at.next_slot += 1
-        self._spawn_slot(slot, self.layout.spare_logs(at.logs, slot), spare=True)
-
-    def _show_as_rank(self, slot: int, rank: int) -> None:
-        """A spare took ``rank``: its output from now on appears as the rank's would."""
-        output = self.attempt.procs[slot].output
-        if output is not None:
-            output.show(self.layout.console_streams(self.attempt.local_of.get(rank, 0), rank))
-
-    def _let_spares_leave(self) -> None:
-        """The job is over and the parked spares were told to exit: give them a moment to
-        leave by themselves; what is left (spares still starting) is stopped quietly."""
-        deadline = time.monotonic() + min(self.config.shutdown_timeout, _SPARE_EXIT_S)
-        for proc in self.attempt.procs.values():
-            if proc.hello:
-                try:
-                    proc.worker.popen.wait(max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    break
-        stop_workers(self.workers, signal.SIGTERM, self.config.shutdown_timeout,
-                     level=logging.INFO)
 
     # ------------------------------------------------------------------ channel
 
@@ -285,9 +215,7 @@ class ResilientAgent(NodeAgent):
                                            "did not start")
             proc.conn, proc.hello = conn, True
             at.resilient = True
-            if not at.spares_wanted:  # the script opts in: now the spares start
-                self._opted_in = at.spares_wanted = True
-                self._spawn_missing_spares()
+            self.processes.opt_in(at)
             rank = at.slot_rank(proc.slot)
             if rank is not None:
                 at.tell(proc.slot, at.generation_msg(rank))
@@ -381,7 +309,7 @@ class ResilientAgent(NodeAgent):
                 self._on_world_change()
             if at.waiting and time.monotonic() > at.wait_deadline:
                 raise StopJob(self._failure_result(), final=True)
-            self._spawn_missing_spares()  # a spare whose backoff delay is over
+            self.processes.spawn_missing(at)  # a spare whose backoff delay is over
             ranks_alive = [s for s in at.world.slot_of.values() if at.alive(s)]
             if not ranks_alive and not at.waiting and not at.unplaced and \
                     not at.deferred and \
@@ -391,7 +319,7 @@ class ResilientAgent(NodeAgent):
                 # recovered, never a success: its generation may still be on its way.)
                 at.ended = at.exiting
                 if not at.resilient:
-                    self._say_unused()  # a plain script's ranks all exited 0
+                    self.processes.say_unused()  # a plain script's ranks all exited 0
                 return AttemptResult()
 
     def _on_world_change(self) -> None:
@@ -492,7 +420,7 @@ class ResilientAgent(NodeAgent):
                     self._lost_spare(proc)
                 continue  # a retired rank leaving, or a spare: not a failure of the job
             if not proc.hello:
-                self._say_unused()
+                self.processes.say_unused()
             if proc.worker.returncode == 0 and (at.exiting or not proc.hello):
                 continue  # the normal end: after the exit barrier, or a plain script's
             failures.append(proc)
@@ -524,36 +452,12 @@ class ResilientAgent(NodeAgent):
                 raise StopJob(AttemptResult([f, *at.other_failures(f)], f), final=True)
         self._recover({r: at.world.node for r in dead_ranks}, now)
 
-    def _say_unused(self) -> None:
-        """A rank ended without ever saying hello: the script does not opt in."""
-        if not self._opted_in and not self._said_unused:
-            self._said_unused = True
-            logger.warning("--spares %s unused: a rank ended without reaching "
-                           "tp_launch.resilient.run() (a script that does not call it runs "
-                           "as under torchrun)", self.config.spares)
-
     def _lost_spare(self, proc: Proc) -> None:
-        """A spare (parked or still starting) died: report it (the first of a streak of
-        such deaths), and start its replacement when the backoff says so."""
+        """A spare (parked or still starting) died."""
         self.attempt.world.unpark(proc.slot)
         self._write_status()
-        if self.attempt.exiting:
-            return  # the job is ending: spares leave
-        w = proc.worker
-        lifetime = (w.exit_time or time.time()) - w.started
-        delay = self._spare_restarts.died(lifetime, time.monotonic())
-        how = exit_description(w.returncode)
-        if not self._spare_restarts.first_of_streak:
-            logger.info("spare %s (pid %s) %s; the next spare starts in %.0f s", proc.slot,
-                        w.pid, how, delay)
-        elif proc.hello:
-            logger.warning("parked spare %s (pid %s) %s; starting a new one (later, and "
-                           "later, if spares keep dying)", proc.slot, w.pid, how)
-        else:
-            logger.error("spare %s (pid %s) %s before reaching tp_launch.resilient.run(): "
-                         "%s; new spares start with a growing delay while this repeats",
-                         proc.slot, w.pid, how, _spare_error(proc.output))
-        self._spawn_missing_spares()
+        if not self.attempt.exiting:  # else the job is ending: spares leave
+            self.processes.spare_died(self.attempt, proc)
 
     def _failure_result(self, final: bool = True) -> AttemptResult:
         at = self.attempt
@@ -638,7 +542,7 @@ class ResilientAgent(NodeAgent):
                     if rank not in lost:
                         at.tell(slot, channel.Recovering())
             at.waiting = lost
-            self._spawn_missing_spares()
+            self.processes.spawn_missing(at)
             return
         logger.error("no spare parked for rank(s) %s (--spare-policy %s)", dead, policy)
         raise StopJob(self._failure_result(final=policy == "fail"), final=policy == "fail")
@@ -691,7 +595,7 @@ class ResilientAgent(NodeAgent):
                                    if world.slot_of.get(p["rank"]) == p["slot"]] + rec.promoted,
                                   key=lambda p: p["rank"])
         for rank, slot in placed.promoted.items():
-            self._show_as_rank(slot, rank)
+            self.processes.show_as_rank(at, slot, rank)
         at.recovery = rec
         at.finished.clear()
         for rank in [*placed.promoted, *placed.unplaced]:
@@ -702,7 +606,7 @@ class ResilientAgent(NodeAgent):
         for rank, slot in world.slot_of.items():
             at.tell(slot, at.generation_msg(rank, handoff=handoffs.get(rank),
                                             from_slot=at.origin.get(rank)))
-        self._spawn_missing_spares()
+        self.processes.spawn_missing(at)
         self._write_status()
 
     def _fill_unplaced(self) -> None:
@@ -713,25 +617,11 @@ class ResilientAgent(NodeAgent):
             if slot is None:
                 return
             rank = at.unplaced.pop(0)
-            self._show_as_rank(slot, rank)
+            self.processes.show_as_rank(at, slot, rank)
             if at.recovery is not None:
                 at.recovery.promoted.append({"rank": rank, "slot": slot,
                                              "pid": at.procs[slot].worker.pid})
             at.tell(slot, at.generation_msg(rank, from_slot=at.origin.get(rank)))
-
-    def _spawn_missing_spares(self) -> None:
-        """Start the spares this node lacks (the pool, plus one per rank of this node
-        that still needs a process), unless none are wanted yet or the backoff after
-        young deaths says wait."""
-        at = self.attempt
-        if not at.spares_wanted or at.exiting or \
-                not self._spare_restarts.ready(time.monotonic()):
-            return
-        pending = [p for p in at.procs.values()
-                   if at.slot_rank(p.slot) is None and p.worker.returncode is None
-                   and p.slot not in at.retired]
-        for _ in range(at.pool + len(at.unplaced) - len(pending)):
-            self._spawn_spare()
 
     def _migrate(self, rank: int) -> str:
         at = self.attempt
@@ -773,12 +663,3 @@ class ResilientAgent(NodeAgent):
         event, line = recovery_report(rec, len(at.world.slot_of))
         print(line, file=sys.stderr, flush=True)
         self.layout.append("recovery.jsonl", json.dumps(event) + "\n")
-
-
-def _spare_error(output: SpareOutput | None) -> str:
-    """What a spare that died wrote last to stderr (its error, for a crash)."""
-    if output is None:
-        return "no output"
-    output.join(1.0)  # the exit is seen before the pipe is drained
-    line = output.last_line()[:300] or "no output"
-    return f"{line} (log: {output.stderr_path})" if output.stderr_path else line
