@@ -36,14 +36,16 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from rendezvous import RendezvousError, RendezvousHandler, RendezvousInfo
 from rendezvous.handler import MembershipRendezvous
 from rendezvous.kv import KVError, KVUnavailable
-from rendezvous.membership import Membership
 from rendezvous.store_host import StoreHost
 from tp_launch.agent.control import Generation
+
+if TYPE_CHECKING:
+    from rendezvous.membership import Membership
 
 logger = logging.getLogger(__name__)
 
@@ -150,8 +152,8 @@ class LocalGenerations:
         info: the formed world (its store serves every generation).
     """
 
-    node = LOCAL_NODE
     fd: int | None = None
+    node = LOCAL_NODE
     outage_timeout = math.inf
     finish_pending = False
 
@@ -244,7 +246,7 @@ class SharedGenerations:
     def store(self) -> tuple[str, int]:
         return self._m.addr, self._host.port
 
-    def _generation(self, state: dict[str, Any]) -> Generation:
+    def _generation(self, state: dict) -> Generation:
         doc = state.get("resilient")
         if doc is not None:
             return Generation.from_json(state["generation"], doc)
