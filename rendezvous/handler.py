@@ -2,17 +2,16 @@
 
 :class:`MembershipRendezvous` is what ``--rdzv-backend etcd|etcd-v2|etcd-v3|c10d`` with
 more than one node gives the agent. It overrides the multi-node hooks that
-:class:`~rendezvous.api.RendezvousHandler` declares:
+:class:`~rendezvous.api.RendezvousHandler` declares (in resilient mode,
+:meth:`~MembershipRendezvous.accept_spare_nodes`, and :attr:`~MembershipRendezvous.membership`
+serves the generations: :mod:`tp_launch.agent.generations`):
 
 - :attr:`~MembershipRendezvous.fd`: readable when the world changed (another node
   failed, left, or waits to be admitted); :meth:`~MembershipRendezvous.world_change`
   says how. The agent ``select``s on it next to its workers' pidfds.
 - :meth:`~MembershipRendezvous.report_failure`: this node's workers failed; every node
   restarts (or, with no restarts left, stops).
-- :meth:`~MembershipRendezvous.exit_barrier`: wait until every node succeeded;
-- :meth:`~MembershipRendezvous.accept_spare_nodes`: resilient mode, where
-  :attr:`~MembershipRendezvous.membership` also serves the generations
-  (:mod:`tp_launch.agent.generations`).
+- :meth:`~MembershipRendezvous.exit_barrier`: wait until every node succeeded.
 
 and, for the hot-spare work, the generation (fencing token), its compare-and-swap and
 the redundancy list, straight from :class:`~rendezvous.membership.Membership`.
