@@ -4,8 +4,14 @@ the single-node side of the recovery path that multi-node jobs share."""
 from __future__ import annotations
 
 from rendezvous import RendezvousInfo
+from rendezvous.static import StaticRendezvous
 from tp_launch.agent.control import Generation
-from tp_launch.agent.generations import LOCAL_NODE, LocalGenerations
+from tp_launch.agent.generations import (
+    LOCAL_NODE,
+    LocalGenerations,
+    open_generations,
+    shared_membership,
+)
 
 
 def _info(world_size: int = 3) -> RendezvousInfo:
@@ -59,3 +65,13 @@ def test_the_first_generation_stays_the_first():
     first = gens.initial()
     gens.publish(Generation(1, first.ranks, gens.store, [1], "failure"))
     assert gens.initial() is first and gens.view().generation.gen == 1
+
+
+def test_a_fixed_world_has_no_multi_node_hooks_and_its_own_generations():
+    rdzv = StaticRendezvous("job", nnodes=1, node_rank=0, master_addr="127.0.0.1",
+                            master_port=0)
+    assert rdzv.fd is None and rdzv.world_change() is None and rdzv.exit_barrier() is None
+    rdzv.report_failure("rank 0 exited with 1")  # nobody else to tell
+    rdzv.accept_spare_nodes()
+    assert shared_membership(rdzv) is None
+    assert isinstance(open_generations(rdzv, _info()), LocalGenerations)
