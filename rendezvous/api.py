@@ -5,6 +5,13 @@ which node rank this agent has, where the workers' store is. The agent calls
 :meth:`RendezvousHandler.next_rendezvous` once per attempt (the first start and every
 restart) and :meth:`RendezvousHandler.shutdown` once at the end.
 
+A multi-node backend also tells the agent, while its workers run, that the world changed
+under them and hears from it that this node's workers failed; those hooks are declared
+here with what a backend of one fixed world does (nothing): :attr:`~RendezvousHandler.fd`,
+:meth:`~RendezvousHandler.world_change`, :meth:`~RendezvousHandler.report_failure`,
+:meth:`~RendezvousHandler.exit_barrier` and :meth:`~RendezvousHandler.accept_spare_nodes`.
+:class:`rendezvous.handler.MembershipRendezvous` overrides them.
+
 Every round hosts a *fresh* store for the workers: a restart never reuses a store that a
 dead attempt wrote to (torchrun 2.13 does, and its restarts then fail in gloo's
 ``connectFullMesh`` with stale peer addresses).
@@ -14,6 +21,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from typing import Protocol
 
 
 class RendezvousError(RuntimeError):
@@ -45,6 +53,19 @@ class RendezvousInfo:
     use_agent_store: bool
 
 
+class WorldChange(Protocol):
+    """How the world changed under a running attempt (multi-node), as the agent reads it
+    (the backend's type: :class:`rendezvous.membership.WorldChange`)."""
+
+    @property
+    def detail(self) -> str:
+        """What happened, in words (another node failed, left, waits to join...)."""
+
+    @property
+    def counts_as_failure(self) -> bool:
+        """Whether a restart for it counts against ``--max-restarts``."""
+
+
 class RendezvousHandler(abc.ABC):
     """One agent's view of the job's membership."""
 
@@ -67,3 +88,28 @@ class RendezvousHandler(abc.ABC):
     @abc.abstractmethod
     def shutdown(self) -> None:
         """Leave the job and release what this agent hosts; safe to call twice."""
+
+    # ---------------------------------------------------------------- multi-node hooks
+
+    @property
+    def fd(self) -> int | None:
+        """A file descriptor that becomes readable when the world changed (the agent
+        ``select``s on it beside its workers); None: the world never changes."""
+        return None
+
+    def world_change(self) -> WorldChange | None:
+        """How the world changed since this round formed; None if it did not."""
+        return None
+
+    def report_failure(self, detail: str) -> None:
+        """This node's workers failed (``detail``: how, one line): every node restarts
+        (or, with no restarts left, stops)."""
+
+    def exit_barrier(self) -> WorldChange | None:
+        """This node's workers succeeded: wait until every node's did; the change that
+        stopped the wait if one did not."""
+        return None
+
+    def accept_spare_nodes(self) -> None:
+        """Resilient mode: a node beyond the world joins as a spare node
+        (:attr:`RendezvousInfo.node_rank` -1) instead of waiting for the next round."""

@@ -1,8 +1,10 @@
 """The agent's multi-node rendezvous: the membership protocol plus the workers' store.
 
 :class:`MembershipRendezvous` is what ``--rdzv-backend etcd|etcd-v2|etcd-v3|c10d`` with
-more than one node gives the agent. Beyond :class:`~rendezvous.api.RendezvousHandler`
-it offers what multi-node compatible mode needs:
+more than one node gives the agent. It overrides the multi-node hooks that
+:class:`~rendezvous.api.RendezvousHandler` declares (in resilient mode,
+:meth:`~MembershipRendezvous.accept_spare_nodes`, and :attr:`~MembershipRendezvous.membership`
+serves the generations: :mod:`tp_launch.agent.generations`):
 
 - :attr:`~MembershipRendezvous.fd`: readable when the world changed (another node
   failed, left, or waits to be admitted); :meth:`~MembershipRendezvous.world_change`
@@ -48,8 +50,6 @@ class MembershipRendezvous(RendezvousHandler):
         return self.membership.run_id
 
     def accept_spare_nodes(self) -> None:
-        """Resilient mode: a node beyond the world joins as a spare node (its
-        :class:`~rendezvous.api.RendezvousInfo` has ``node_rank`` -1) instead of waiting."""
         self.membership.accept_spare = True
 
     def next_rendezvous(self, local_world_size: int) -> RendezvousInfo:
@@ -58,7 +58,7 @@ class MembershipRendezvous(RendezvousHandler):
         # torch before the lease: the stores need it, and importing it (on a store's
         # thread, say) holds the GIL for seconds at a time on a loaded machine, which
         # would starve the keep-alive thread past a short lease_ttl.
-        from rendezvous.c10d import import_torch_quietly
+        from rendezvous.quiet import import_torch_quietly
 
         import_torch_quietly()
         world = m.join(local_world_size)
@@ -98,8 +98,8 @@ class MembershipRendezvous(RendezvousHandler):
     def world_change(self) -> WorldChange | None:
         return self.membership.world_change()
 
-    def report_failure(self, detail: str) -> bool:
-        return self.membership.report_failure(detail)
+    def report_failure(self, detail: str) -> None:
+        self.membership.report_failure(detail)
 
     def exit_barrier(self) -> WorldChange | None:
         return self.membership.exit_barrier()

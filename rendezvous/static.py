@@ -17,12 +17,8 @@ attempt's keys.
 
 from __future__ import annotations
 
-import logging
-
 from rendezvous.api import RendezvousError, RendezvousHandler, RendezvousInfo
 from rendezvous.store_host import StoreHost
-
-logger = logging.getLogger(__name__)
 
 
 class StaticRendezvous(RendezvousHandler):
@@ -40,7 +36,8 @@ class StaticRendezvous(RendezvousHandler):
     def __init__(self, run_id: str, nnodes: int, node_rank: int, master_addr: str,
                  master_port: int) -> None:
         if not 0 <= node_rank < nnodes:
-            raise RendezvousError(f"--node-rank={node_rank} is not in 0..{nnodes - 1} (--nnodes={nnodes})")
+            raise RendezvousError(f"--node-rank={node_rank} is not in 0..{nnodes - 1} "
+                                  f"(--nnodes={nnodes})")
         if master_port == 0 and nnodes > 1:
             raise RendezvousError("a multi-node static rendezvous needs a fixed --master-port")
         self._run_id = run_id

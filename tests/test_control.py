@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tp_launch.agent.control import Placed, SpareRestarts, failures_served
+from tp_launch.agent.control import CrashLoop, Placed, SpareRestarts, failures_served
 
 
 def test_spares_dying_young_are_restarted_ever_later():
@@ -39,3 +39,17 @@ def test_another_nodes_generation_reports_this_nodes_dead_ranks_it_serves():
     assert served == [dead_here[2]]
     # A live rank the generation leaves alone is no failure.
     assert failures_served([0], {}, Placed(promoted={}, released={})) == [{"rank": 0}]
+
+
+def test_an_error_exit_again_at_the_same_step_is_a_crash_loop():
+    crash = CrashLoop()
+    assert not crash.is_loop(1, step=10)  # the first error: recovered
+    assert not crash.is_loop(-9, step=10)  # a signal death: a machine failure, always
+    assert crash.is_loop(1, step=10)  # the script fails where it failed before
+    assert crash.is_loop(1, step=7)  # or earlier
+
+
+def test_an_error_at_a_later_step_is_no_crash_loop():
+    crash = CrashLoop()
+    assert not crash.is_loop(1, step=10)
+    assert not crash.is_loop(1, step=11)  # training moved on: a new failure

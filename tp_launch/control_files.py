@@ -182,8 +182,26 @@ class AgentStatus:
                            "parked_spares": self.parked_spares}).encode()
 
 
+# The names in a control directory: the agent's pid plus a suffix; the status file is
+# named after the socket it describes.
+_SOCKET_SUFFIX = ".sock"
+_STATUS_SUFFIX = ".json"
+_PROGRESS_SUFFIX = ".progress"
+
+
+def agent_socket(directory: str, pid: int) -> str:
+    """The channel socket of agent ``pid`` in its control ``directory``."""
+    return os.path.join(directory, f"{pid}{_SOCKET_SUFFIX}")
+
+
+def agent_progress_board(directory: str, pid: int) -> str:
+    """The progress board of agent ``pid`` in its control ``directory``."""
+    return os.path.join(directory, f"{pid}{_PROGRESS_SUFFIX}")
+
+
 def status_path(socket_path: str) -> str:
-    return socket_path + ".json"
+    """The status file beside the agent's socket."""
+    return socket_path + _STATUS_SUFFIX
 
 
 def write_status(socket_path: str, status: AgentStatus) -> None:
@@ -210,8 +228,9 @@ def find_agents() -> list[AgentStatus]:
     """The running resilient agents of the calling user, from their status files."""
     found = []
     for directory in control_dirs():
-        for path in sorted(glob.glob(os.path.join(glob.escape(directory), "*.sock.json"))):
-            status = read_status(path[: -len(".json")])
+        pattern = os.path.join(glob.escape(directory), "*" + status_path(_SOCKET_SUFFIX))
+        for path in sorted(glob.glob(pattern)):
+            status = read_status(path[: -len(_STATUS_SUFFIX)])
             if status is None:
                 continue
             try:

@@ -25,11 +25,8 @@ fencing token (:mod:`tp_launch.agent.generations`).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass

@@ -34,7 +34,14 @@ from typing import Callable
 
 from tp_launch import channel
 from tp_launch.config import ConfigError
-from tp_launch.control_files import AgentStatus, new_control_dir, status_path, write_status
+from tp_launch.control_files import (
+    AgentStatus,
+    agent_progress_board,
+    agent_socket,
+    new_control_dir,
+    status_path,
+    write_status,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -72,15 +79,15 @@ class ControlServer:
         self._conns: set[Conn] = set()
         self._sel: selectors.BaseSelector | None = None
         self._server: socket.socket | None = None
-        self.board: channel.ProgressBoard | None = None
+        self._board: channel.ProgressBoard | None = None
         try:
             self.directory = new_control_dir()
         except OSError as e:
             raise ConfigError(f"cannot make a private control directory: {e}") from None
-        self.path = os.path.join(self.directory, f"{os.getpid()}.sock")
+        self.path = agent_socket(self.directory, os.getpid())
         try:
-            self.board = channel.ProgressBoard(
-                os.path.join(self.directory, f"{os.getpid()}.progress"), create=True)
+            self._board = channel.ProgressBoard(agent_progress_board(self.directory, os.getpid()),
+                                               create=True)
             self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self._server.bind(self.path)
             os.chmod(self.path, 0o600)
@@ -91,6 +98,12 @@ class ControlServer:
             if isinstance(e, OSError):
                 raise ConfigError(f"cannot open the control socket {self.path}: {e}") from None
             raise
+
+    @property
+    def board(self) -> channel.ProgressBoard:
+        """The attempt's progress board (the ranks' committed steps)."""
+        assert self._board is not None  # made in __init__, or __init__ raised
+        return self._board
 
     def register(self, sel: selectors.BaseSelector) -> None:
         """Have ``sel`` watch the socket and, later, every accepted connection; pass the
@@ -129,11 +142,12 @@ class ControlServer:
             self._drop(conn)
         if self._server is not None:
             self._server.close()
-        if self.board is not None:
-            self.board.close()
-        records = glob.glob(glob.escape(self.board.path) + ".slot*") if self.board else []
+        board = self._board
+        if board is not None:
+            board.close()
+        records = glob.glob(glob.escape(board.path) + ".slot*") if board is not None else []
         for path in (self.path, status_path(self.path),
-                     self.board.path if self.board is not None else None, *records):
+                     board.path if board is not None else None, *records):
             try:
                 if path is not None:
                     os.unlink(path)

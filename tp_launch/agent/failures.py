@@ -18,10 +18,14 @@ import logging
 import os
 import signal
 import socket
+import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from string import Template
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tp_launch.procs.worker import WorkerProcess
 
 logger = logging.getLogger(__name__)
 
@@ -85,9 +89,18 @@ class ProcessFailure:
             self.error_file = _NA
         if not self.message:
             if self.exitcode < 0:
-                self.message = f"Signal {-self.exitcode} ({self.signal_name}) received by PID {self.pid}"
+                self.message = (f"Signal {-self.exitcode} ({self.signal_name}) received by "
+                                f"PID {self.pid}")
             else:
                 self.message = _NO_TRACEBACK
+
+    @classmethod
+    def of_exit(cls, worker: WorkerProcess, rank: int) -> ProcessFailure:
+        """The failure of ``worker``, which held global ``rank`` (-1: a spare) and exited
+        with a non-zero status."""
+        return cls(rank=rank, local_rank=worker.local_rank, pid=worker.pid,
+                   exitcode=worker.returncode or 0, error_file=worker.error_file,
+                   observed=worker.exit_time or time.time())
 
     @property
     def signal_name(self) -> str:
@@ -120,6 +133,21 @@ class ProcessFailure:
             error_file=self.error_file,
             message=msg,
         )
+
+
+def first_observed(failures: list[ProcessFailure]) -> ProcessFailure | None:
+    """The root cause among ``failures``: the one the agent saw first (None: none)."""
+    return min(failures, key=lambda f: f.observed, default=None)
+
+
+def exit_description(code: int | None) -> str:
+    """How a process ended, in words: ``was killed by SIGKILL``, ``exited with code 1``."""
+    if code is not None and code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            pass
+    return f"exited with code {code}"
 
 
 def _message_of(data: dict[str, Any], default_ts: int) -> tuple[Any, int]:

@@ -1,7 +1,12 @@
 """Where resilient mode's generations are published: one agent alone, or every node's.
 
+:class:`Generations` is what the resilient agent asks of either; :func:`open_generations`
+picks the one the rendezvous serves, so the agent runs one recovery path for both.
+
 :class:`LocalGenerations` (a single-node job): the agent is the only writer; a
-generation is published by deciding it.
+generation is published by deciding it. Its view is one node that is always alive and
+holds every rank; nothing is ever unreachable, so nothing waits for a backend
+(:meth:`~LocalGenerations.outage_s` is 0); what would tell other nodes does nothing.
 
 :class:`SharedGenerations` (a multi-node job, ``--rdzv-backend etcd|c10d``): over the
 rendezvous membership (:mod:`rendezvous.membership`). A generation is the state's
@@ -29,10 +34,12 @@ its parked count is put again by the membership when the backend answers.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from rendezvous import RendezvousError, RendezvousInfo
+from rendezvous import RendezvousError, RendezvousHandler, RendezvousInfo
+from rendezvous.handler import MembershipRendezvous
 from rendezvous.kv import KVError, KVUnavailable
 from rendezvous.store_host import StoreHost
 from tp_launch.agent.control import Generation
@@ -64,24 +71,137 @@ class View:
         return all(self.finished.get(n) == g.gen for n in g.nodes)
 
 
-class LocalGenerations:
-    """A single node: generations are this agent's own decisions."""
+class Generations(Protocol):
+    """Where the agent publishes and reads generations (see the module's doc)."""
 
-    fd: int | None = None
-    node = LOCAL_NODE
+    @property
+    def node(self) -> str:
+        """This node's id in :attr:`Generation.ranks`."""
 
-    def __init__(self, info: RendezvousInfo) -> None:
-        self._info = info
+    @property
+    def fd(self) -> int | None:
+        """Readable when the job's state changed (then read :meth:`view`); None: only
+        this agent changes it."""
 
     @property
     def store(self) -> tuple[str, int]:
-        return self._info.master_addr, self._info.master_port
+        """The store a generation this agent publishes forms on."""
 
     def initial(self) -> Generation:
-        return Generation(0, {r: self.node for r in range(self._info.world_size)}, self.store)
+        """The attempt's first generation."""
+
+    def view(self) -> View | None:
+        """The job now; None when it cannot be read (try again later); KVUnavailable
+        when the backend cannot be reached."""
+
+    def parked(self) -> dict[str, int]:
+        """node -> parked spares, for the other nodes (this node counts its own)."""
+
+    def set_parked(self, count: int) -> None:
+        """Tell the other nodes how many spares this node has parked."""
 
     def publish(self, g: Generation) -> bool:
+        """Publish ``g`` if the job is still at ``g.gen - 1``; False if another node
+        published first (KVError: the backend cannot tell)."""
+
+    def mark_finished(self, gen: int) -> None:
+        """This node's ranks finished in ``gen``: the next :meth:`view` may end the job."""
+
+    @property
+    def finish_pending(self) -> bool:
+        """The :meth:`mark_finished` mark still waits for the backend."""
+
+    def flush(self) -> None:
+        """Write what waits for the backend (KVUnavailable if it still cannot)."""
+
+    def outage_s(self) -> float:
+        """How long the backend has been unreachable (0: it answers)."""
+
+    @property
+    def outage_timeout(self) -> float:
+        """How long what needs the backend waits for it."""
+
+    def outage_error(self, e: KVError) -> RendezvousError:
+        """The error that ends the job past :attr:`outage_timeout`."""
+
+    def mark_complete(self) -> None:
+        """The job is over: every node lets its ranks go."""
+
+    def report_failure(self, detail: str, final: bool) -> None:
+        """The job restarts (or, ``final``, stops): tell the other nodes."""
+
+    def close(self) -> None:
+        """Release what the attempt held."""
+
+
+def open_generations(rdzv: RendezvousHandler, info: RendezvousInfo) -> Generations:
+    """The generations of the world ``info`` formed: shared through the membership of a
+    multi-node rendezvous, else this agent's own."""
+    membership = shared_membership(rdzv)
+    return LocalGenerations(info) if membership is None else SharedGenerations(membership, info)
+
+
+def shared_membership(rdzv: RendezvousHandler) -> Membership | None:
+    """The membership a multi-node rendezvous shares generations through, if any."""
+    return rdzv.membership if isinstance(rdzv, MembershipRendezvous) else None
+
+
+class LocalGenerations:
+    """A single node: generations are this agent's own decisions.
+
+    Args:
+        info: the formed world (its store serves every generation).
+    """
+
+    fd: int | None = None
+    node = LOCAL_NODE
+    outage_timeout = math.inf
+    finish_pending = False
+
+    def __init__(self, info: RendezvousInfo) -> None:
+        self.info = info
+        self._first = Generation(0, {r: self.node for r in range(info.world_size)},
+                                 self.store)
+        self._current = self._first  # the last one published
+        self._finished: dict[str, int] = {}  # node -> generation its ranks finished in
+
+    @property
+    def store(self) -> tuple[str, int]:
+        return self.info.master_addr, self.info.master_port
+
+    def initial(self) -> Generation:
+        return self._first
+
+    def view(self) -> View:
+        return View(self._current, {self.node}, [], dict(self._finished))
+
+    def parked(self) -> dict[str, int]:
+        return {}
+
+    def set_parked(self, count: int) -> None:
+        pass
+
+    def publish(self, g: Generation) -> bool:
+        self._current = g
         return True
+
+    def mark_finished(self, gen: int) -> None:
+        self._finished[self.node] = gen
+
+    def flush(self) -> None:
+        pass
+
+    def outage_s(self) -> float:
+        return 0.0
+
+    def outage_error(self, e: KVError) -> RendezvousError:
+        return RendezvousError(str(e))
+
+    def mark_complete(self) -> None:
+        pass
+
+    def report_failure(self, detail: str, final: bool) -> None:
+        pass
 
     def close(self) -> None:
         pass

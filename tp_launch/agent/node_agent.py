@@ -23,35 +23,28 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import selectors
 import signal
 import sys
-import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Iterator
 
-from rendezvous import RendezvousError, RendezvousHandler, RendezvousInfo, create_handler
+from rendezvous import RendezvousHandler, RendezvousInfo
+from rendezvous.api import WorldChange
 from rendezvous.wakeup import WakeupPipe
 from tp_launch.agent.events import EventLog
-from tp_launch.agent.failures import ProcessFailure, copy_root_cause, format_summary
+from tp_launch.agent.failures import (
+    ProcessFailure,
+    copy_root_cause,
+    first_observed,
+    format_summary,
+)
 from tp_launch.agent.worker_env import worker_argv, worker_env
 from tp_launch.config import ConfigError, LaunchConfig
-from tp_launch.procs.guardian import GUARDIAN
 from tp_launch.procs.logs import AttemptLogs, ConsoleTail, LogLayout
 from tp_launch.procs.worker import WorkerProcess, stop_workers
 
 logger = logging.getLogger(__name__)
-
-OMP_WARNING = (
-    "\n*****************************************\n"
-    "Setting OMP_NUM_THREADS environment variable for each process to be "
-    "1 in default, to avoid your system being overloaded, "
-    "please further tune the variable for optimal performance in "
-    "your application as needed. \n"
-    "*****************************************"
-)
-
 
 _WORLD_CHANGED = object()  # selector tag of the rendezvous' world-change fd
 
@@ -73,8 +66,8 @@ class AttemptResult:
     failures: list[ProcessFailure] = field(default_factory=list)
     root: ProcessFailure | None = None
     # Multi-node: the world changed under the attempt (another node failed, left, or
-    # waits to be admitted): a rendezvous.membership.WorldChange.
-    change: Any = None
+    # waits to be admitted).
+    change: WorldChange | None = None
 
 
 class SignalWatch:
@@ -246,10 +239,9 @@ class NodeAgent:
         cfg = self.config
         sel = selectors.DefaultSelector()
         sel.register(watch.fd, selectors.EVENT_READ, None)
-        rdzv_fd = getattr(self.rdzv, "fd", None)
-        if isinstance(rdzv_fd, int):
+        if self.rdzv.fd is not None:
             # Multi-node: readable when another node failed, left, or waits to join.
-            sel.register(rdzv_fd, selectors.EVENT_READ, _WORLD_CHANGED)
+            sel.register(self.rdzv.fd, selectors.EVENT_READ, _WORLD_CHANGED)
         for w in self.workers:
             sel.register(w.pidfd, selectors.EVENT_READ, w)
         try:
@@ -260,7 +252,7 @@ class NodeAgent:
                     if key.data is None:
                         watch.drain()
                     elif key.data is _WORLD_CHANGED:
-                        world_changed = self.rdzv.world_change() is not None  # type: ignore[attr-defined]
+                        world_changed = self.rdzv.world_change() is not None
                     else:
                         sel.unregister(key.fd)
                 watch.raise_pending()
@@ -288,14 +280,10 @@ class NodeAgent:
         # the attempt, then the peers it stopped, each by local rank.
         first_pids = {w.pid for w in first}
         ordered = sorted(self.workers, key=lambda w: (w.pid not in first_pids, w.local_rank))
-        failures = [
-            ProcessFailure(rank=global_ranks[w.local_rank], local_rank=w.local_rank, pid=w.pid,
-                           exitcode=w.returncode, error_file=w.error_file,
-                           observed=w.exit_time or time.time())
-            for w in ordered if w.returncode
-        ]
-        root = min((f for f in failures if f.pid in first_pids),
-                   key=lambda f: f.observed)
+        failures = [ProcessFailure.of_exit(w, global_ranks[w.local_rank])
+                    for w in ordered if w.returncode]
+        root = first_observed([f for f in failures if f.pid in first_pids])
+        assert root is not None  # the first failures exited non-zero
         # torchrun's order: the peers' closing signals, then the first failure, once.
         logger.error("failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s",
                      root.exitcode, root.local_rank, root.pid, cfg.entrypoint[0])
@@ -303,83 +291,31 @@ class NodeAgent:
 
     def _report_failure(self, first: WorkerProcess, global_ranks: dict[int, int]) -> None:
         """Multi-node: tell the other nodes at once, so they stop their workers too."""
-        report = getattr(self.rdzv, "report_failure", None)
-        if report is not None:
-            report(f"rank {global_ranks[first.local_rank]} (local_rank {first.local_rank}) "
-                   f"exited with {first.returncode}")
+        self.rdzv.report_failure(f"rank {global_ranks[first.local_rank]} (local_rank "
+                                 f"{first.local_rank}) exited with {first.returncode}")
 
     def _world_changed(self, global_ranks: dict[int, int]) -> AttemptResult:
         """Another node failed, left, or waits: stop ours; the caller re-rendezvouses."""
         cfg = self.config
-        change = self.rdzv.world_change()  # type: ignore[attr-defined]
+        change = self.rdzv.world_change()
+        assert change is not None  # the caller saw it; only the next round clears it
         # WARNING: torchrun's user learns of it from a local worker's failure (ERROR);
         # here the local workers are stopped first and would fail silently.
         logger.warning("[%s] %s: stopping the worker group", cfg.role, change.detail)
         stop_workers(self.workers, signal.SIGTERM, cfg.shutdown_timeout)
-        failures = [
-            ProcessFailure(rank=global_ranks[w.local_rank], local_rank=w.local_rank, pid=w.pid,
-                           exitcode=w.returncode, error_file=w.error_file,
-                           observed=w.exit_time or time.time())
-            for w in sorted(self.workers, key=lambda w: w.local_rank) if w.returncode
-        ]
-        root = min(failures, key=lambda f: f.observed) if failures else None
-        return AttemptResult(failures, root, change)
+        failures = [ProcessFailure.of_exit(w, global_ranks[w.local_rank])
+                    for w in sorted(self.workers, key=lambda w: w.local_rank) if w.returncode]
+        return AttemptResult(failures, first_observed(failures), change)
 
-    def _exit_barrier(self) -> Any:
-        """Multi-node: wait until every node succeeded (a WorldChange if one did not)."""
-        barrier = getattr(self.rdzv, "exit_barrier", None)
-        if barrier is None:
-            return None
+    def _exit_barrier(self) -> WorldChange | None:
+        """Multi-node: wait until every node succeeded (the change if one did not)."""
+        if self.rdzv.fd is None:
+            return None  # one fixed world: nothing to wait for
         logger.info("Local worker group finished (SUCCEEDED). Waiting for other agents to "
                     "finish")
-        return barrier()
+        return self.rdzv.exit_barrier()
 
     def _release_workers(self) -> None:
         for w in self.workers:
             w.close()
-        self.workers = []
-
-
-def run_agent(config: LaunchConfig) -> int:
-    """Run the agent for ``config``; setup errors become one line and exit 2."""
-    if "OMP_NUM_THREADS" not in os.environ and config.nproc_per_node > 1:
-        logger.warning(OMP_WARNING)
-        os.environ["OMP_NUM_THREADS"] = "1"
-    GUARDIAN.start()  # forks: before any thread exists
-    watch = SignalWatch(config.signals_to_handle)
-    try:
-        code = _run_agent(config, watch)
-    finally:
-        signalled = bool(watch.pending)
-        watch.close()
-        GUARDIAN.stop()
-    if signalled:
-        # Everything is stopped and cleaned up: leave now. Python's own teardown of an
-        # agent that imported torch (to host a store) takes seconds more.
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    return code
-
-
-def _run_agent(config: LaunchConfig, watch: SignalWatch) -> int:
-    layout: LogLayout | None = None
-    try:
-        layout = LogLayout(config, config.run_id)  # an unusable --log-dir: exit 2 up front
-        with watch.interruptible():  # reaching the rendezvous service can take a while
-            rdzv = create_handler(config)
-        if config.spares > 0:
-            from tp_launch.agent.resilient_agent import ResilientAgent
-
-            return ResilientAgent(config, rdzv, layout).run(watch)
-        return NodeAgent(config, rdzv, layout).run(watch)
-    except SignalReceived as e:
-        print(f"tp-run: stopped by {e.sig.name}", file=sys.stderr)
-        return 1
-    except (RendezvousError, ConfigError) as e:
-        print(f"tp-run: error: {e}", file=sys.stderr)
-        return 2 if isinstance(e, ConfigError) else 1
-    finally:
-        if layout is not None:
-            layout.close()  # the temporary log dir goes, whatever the outcome
+        self.workers.clear()  # the list itself is shared (resilient mode's Processes)

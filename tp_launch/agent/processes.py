@@ -1,0 +1,155 @@
+"""This node's processes in resilient mode: ranks and spares in slots, and the spare pool.
+
+Every process of an attempt runs in a *slot* (a number that names one process for the
+attempt: slots only grow). :class:`Processes` starts a rank or a spare in a slot, with
+the agent channel in its environment; keeps the pool of spares filled (once the script
+opts in, and with an exponential backoff while spares keep dying young:
+:class:`~tp_launch.agent.control.SpareRestarts`); reports a spare that died, once per
+streak of such deaths; shows a spare's output as its rank's once it takes one; and at
+the end of the job lets the spares leave. What it keeps across attempts is job-wide:
+whether the script opted in, the backoff, and whether "spares unused" was said.
+"""
+
+from __future__ import annotations
+
+import logging
+import selectors
+import signal
+import subprocess
+import time
+
+from tp_launch import channel
+from tp_launch.agent.attempt import Attempt, Proc
+from tp_launch.agent.control import SpareRestarts
+from tp_launch.agent.failures import exit_description
+from tp_launch.agent.worker_env import spare_env, worker_argv, worker_env
+from tp_launch.config import ConfigError, LaunchConfig
+from tp_launch.procs.logs import LogLayout, RankLogs, SpareOutput
+from tp_launch.procs.worker import WorkerProcess, stop_workers
+
+logger = logging.getLogger(__name__)
+
+# The job is over: how long spares told to exit get to do so before they are stopped.
+_SPARE_EXIT_S = 5.0
+
+
+class Processes:
+    """Starts and keeps this node's processes (see the module's doc).
+
+    Args:
+        config: the launch configuration.
+        layout: where the processes' logs go.
+        workers: the agent's list of live worker processes (shared: every process
+            started here is added to it, so the agent stops them all alike).
+    """
+
+    def __init__(self, config: LaunchConfig, layout: LogLayout,
+                 workers: list[WorkerProcess]) -> None:
+        self.config = config
+        self.layout = layout
+        self.workers = workers
+        # A rank of this node said hello (the script uses tp_launch.resilient); until
+        # then no spare is started, since a script that does not opt in would only run
+        # (and crash, or write files) beside the ranks.
+        self.opted_in = False
+        self._restarts = SpareRestarts()
+        self._said_unused = False
+
+    def spawn(self, at: Attempt, slot: int, rl: RankLogs, spare: bool = False) -> Proc:
+        """Start a rank (its slot is its local rank) or a spare in ``slot``."""
+        cfg = self.config
+        # A rank's device is its local rank; a spare's, the lowest one no live process
+        # uses.
+        device = at.free_device() if spare else slot
+        make_env = spare_env if spare else worker_env
+        env = make_env(cfg, at.info, device, at.restart_count, rl.error_file)
+        env.update({channel.ENV_SOCKET: at.control.path, channel.ENV_SLOT: str(slot),
+                    channel.ENV_PROGRESS: at.board.path})
+        if cfg.verify_every:
+            env[channel.ENV_VERIFY_EVERY] = str(cfg.verify_every)
+        argv = worker_argv(cfg, device)
+        try:
+            worker = WorkerProcess(argv, env, rl.stdout, rl.stderr, device, piped=spare)
+        except OSError as e:
+            raise ConfigError(f"cannot start {argv[0]}: {e.strerror or e}") from None
+        self.workers.append(worker)
+        proc = Proc(slot, worker, rl, output=SpareOutput(worker.popen, rl) if spare else None)
+        at.procs[slot] = proc
+        at.sel.register(worker.pidfd, selectors.EVENT_READ, ("exit", proc))
+        return proc
+
+    def opt_in(self, at: Attempt) -> None:
+        """A rank said hello: the script uses tp_launch.resilient, spares start now."""
+        if not at.spares_wanted:
+            self.opted_in = at.spares_wanted = True
+            self.spawn_missing(at)
+
+    def spawn_missing(self, at: Attempt) -> None:
+        """Start the spares this node lacks (the pool, plus one per rank of this node
+        that still needs a process), unless none are wanted yet or the backoff after
+        young deaths says wait."""
+        if not at.spares_wanted or at.exiting or not self._restarts.ready(time.monotonic()):
+            return
+        pending = [p for p in at.procs.values()
+                   if at.slot_rank(p.slot) is None and p.worker.returncode is None
+                   and p.slot not in at.retired]
+        for _ in range(at.pool + len(at.unplaced) - len(pending)):
+            slot = at.next_slot
+            at.next_slot += 1
+            self.spawn(at, slot, self.layout.spare_logs(at.logs, slot), spare=True)
+
+    def spare_died(self, at: Attempt, proc: Proc) -> None:
+        """A spare (parked or still starting) died while the job goes on: report it (the
+        first of a streak of such deaths), and start its replacement when the backoff
+        says so."""
+        w = proc.worker
+        lifetime = (w.exit_time or time.time()) - w.started
+        delay = self._restarts.died(lifetime, time.monotonic())
+        how = exit_description(w.returncode)
+        if not self._restarts.first_of_streak:
+            logger.info("spare %s (pid %s) %s; the next spare starts in %.0f s", proc.slot,
+                        w.pid, how, delay)
+        elif proc.hello:
+            logger.warning("parked spare %s (pid %s) %s; starting a new one (later, and "
+                           "later, if spares keep dying)", proc.slot, w.pid, how)
+        else:
+            logger.error("spare %s (pid %s) %s before reaching tp_launch.resilient.run(): "
+                         "%s; new spares start with a growing delay while this repeats",
+                         proc.slot, w.pid, how, _spare_error(proc.output))
+        self.spawn_missing(at)
+
+    def say_unused(self) -> None:
+        """A rank ended without ever saying hello: the script does not opt in."""
+        if not self.opted_in and not self._said_unused:
+            self._said_unused = True
+            logger.warning("--spares %s unused: a rank ended without reaching "
+                           "tp_launch.resilient.run() (a script that does not call it runs "
+                           "as under torchrun)", self.config.spares)
+
+    def show_as_rank(self, at: Attempt, slot: int, rank: int) -> None:
+        """A spare took ``rank``: its output from now on appears as the rank's would."""
+        output = at.procs[slot].output
+        if output is not None:
+            output.show(self.layout.console_streams(at.local_of.get(rank, 0), rank))
+
+    def let_spares_leave(self, at: Attempt) -> None:
+        """The job is over and the parked spares were told to exit: give them a moment to
+        leave by themselves; what is left (spares still starting) is stopped quietly."""
+        deadline = time.monotonic() + min(self.config.shutdown_timeout, _SPARE_EXIT_S)
+        for proc in at.procs.values():
+            if proc.hello:
+                try:
+                    proc.worker.popen.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    break
+        stop_workers(self.workers, signal.SIGTERM, self.config.shutdown_timeout,
+                     level=logging.INFO)
+
+
+def _spare_error(output: SpareOutput | None) -> str:
+    """What a spare that died wrote last to stderr (its error, for a crash)."""
+    if output is None:
+        return "no output"
+    output.join(1.0)  # the exit is seen before the pipe is drained
+    line = output.last_line()[:300] or "no output"
+    return f"{line} (log: {output.stderr_path})" if output.stderr_path else line

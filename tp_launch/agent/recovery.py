@@ -1,0 +1,408 @@
+"""Resilient mode's recovery decisions for one attempt: which generation comes next.
+
+A :class:`Recoverer` acts on what the agent observes (:mod:`tp_launch.agent.resilient_agent`:
+a rank's death, a message, a change of the job's state) through the attempt's state
+(:class:`~tp_launch.agent.attempt.Attempt`) and the pure rules of
+:mod:`tp_launch.agent.control`:
+
+- :meth:`Recoverer.recover`: ranks lost their process: place them on parked spares
+  (:func:`~tp_launch.agent.control.place`) and publish generation g+1; none parked:
+  ``--spare-policy``; the backend unreachable: defer the generation until it answers
+  (see :mod:`tp_launch.agent.resilient_agent`, on outages);
+- :meth:`Recoverer.apply`: take a generation (this node's or another's) and announce it
+  to this node's processes; :meth:`Recoverer.fill_unplaced` gives a spare that parks
+  late a rank still without a process;
+- :meth:`Recoverer.migrate`: a planned migration (``tp-run migrate``);
+- :meth:`Recoverer.on_world_change`: what the job's state says now (another node's
+  generation, a lost node, a restart or stop asked for, the job's end);
+- :meth:`Recoverer.fatal`, :meth:`Recoverer.state_lost`, :meth:`Recoverer.failure_result`:
+  the job cannot go on (:class:`StopJob`).
+
+Each applied generation opens a recovery report (:mod:`tp_launch.agent.recovery_report`),
+written once every rank of this node took its first step, or when the next one opens.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import time
+from typing import Any
+
+from rendezvous import RendezvousError
+from rendezvous.kv import KVError, KVUnavailable
+from rendezvous.membership import CHANGE_FAILURE, CHANGE_LOST, WorldChange
+from tp_launch import channel
+from tp_launch.agent.attempt import Attempt
+from tp_launch.agent.control import Generation, failures_served, place
+from tp_launch.agent.generations import View
+from tp_launch.agent.node_agent import AttemptResult
+from tp_launch.agent.processes import Processes
+from tp_launch.agent.recovery_report import Recovery, recovery_report
+from tp_launch.config import LaunchConfig
+from tp_launch.procs.logs import LogLayout
+from tp_launch.procs.worker import stop_workers
+
+logger = logging.getLogger(__name__)
+
+# Steps past the highest committed step at which a planned migration stops the ranks:
+# ranks are within one step of each other, the announcement takes microseconds.
+_MIGRATION_MARGIN = 2
+
+
+class StopJob(Exception):
+    """The job cannot go on: the result says why."""
+
+    def __init__(self, result: AttemptResult, final: bool) -> None:
+        super().__init__("job stopped")
+        self.result = result
+        self.final = final  # no restart, whatever --max-restarts says
+
+
+class Recoverer:
+    """The decisions of one attempt (see the module's doc).
+
+    Args:
+        config: the launch configuration.
+        attempt: the attempt's state, which the decisions read and change.
+        processes: this node's processes (spares to start, output to show, workers to
+            stop).
+        layout: the run's logs (``recovery.jsonl``).
+        run_id: the job's id, for the status file.
+    """
+
+    def __init__(self, config: LaunchConfig, attempt: Attempt, processes: Processes,
+                 layout: LogLayout, run_id: str) -> None:
+        self.config = config
+        self.attempt = attempt
+        self.processes = processes
+        self.layout = layout
+        self.run_id = run_id
+
+    def recover(self, lost: dict[int, str], detected: float,
+                view: View | None = None) -> None:
+        """Ranks lost their process (rank -> the node it was on; this node's own, or a
+        lost node's): publish a generation that gives each a parked spare. ``view``:
+        the job's state if the caller has just read it (multi-node)."""
+        at = self.attempt
+        world, g = at.world, at.gen
+        lost = {**at.waiting, **at.deferred, **lost}
+        if not lost:
+            return
+        local = [r for r, n in lost.items() if n == world.node]
+        elsewhere = [r for r, n in g.ranks.items() if r not in lost and n != world.node]
+        if not elsewhere and not at.holders - set(lost):
+            self.state_lost(f"rank(s) {sorted(lost)} failed and no other rank held the "
+                            "training state")
+        try:
+            ranks: dict[int, str] | None = g.ranks  # this node's spares take its dead ranks
+            if len(local) < len(lost) or len(world.parked) < len(lost):
+                ranks = self._place(lost, view)
+            if ranks is not None:
+                failed = [at.failed_record(r) if r in local else {"rank": r, "node": n}
+                          for r, n in sorted(lost.items())]
+                reason = "failure" if local else "node loss"
+                new = Generation(g.gen + 1, ranks, at.gens.store, sorted(lost), reason)
+                published = at.gens.publish(new)
+        except KVUnavailable as e:
+            self._defer(lost, detected, e)
+            return
+        except KVError as e:  # a refusal, not an outage (a c10d store whose host died)
+            raise RendezvousError(f"rank(s) {sorted(lost)} lost their process and the "
+                                  f"rendezvous backend failed: {e}") from None
+        at.deferred = {}
+        if ranks is None:
+            self._no_spare(lost, detected)
+            return
+        if published:
+            at.waiting = {}
+            at.holders -= set(lost)
+            self.apply(new, detected, failed)
+        else:
+            # Another node published first: read its generation now; applying it gives
+            # this node's dead ranks this node's spares.
+            at.last_view = 0.0
+
+    def _place(self, lost: dict[int, str], view: View | None) -> dict[int, str] | None:
+        """Homes for ``lost`` ranks, nodes tried in this order: this node for its own
+        dead ranks, spare nodes (a lost node's ranks), then every other live node."""
+        at = self.attempt
+        view = view or at.gens.view()
+        if view is None:
+            return None
+        parked = {**at.gens.parked(), at.world.node: len(at.world.parked)}
+        order = [at.world.node] if at.world.node in lost.values() else []
+        order += [n for n in view.spare_nodes + at.gen.nodes
+                  if n in view.alive and n not in order and n not in lost.values()]
+        return place(lost, at.gen.ranks, parked, order)
+
+    def _no_spare(self, lost: dict[int, str], detected: float) -> None:
+        """``--spare-policy``: nothing parked anywhere for the ``lost`` ranks."""
+        at = self.attempt
+        policy, dead = self.config.spare_policy, sorted(lost)
+        if policy == "wait":
+            if not at.waiting:
+                at.waiting_since = detected
+                at.wait_deadline = time.monotonic() + self.config.spare_wait_timeout
+                logger.warning("no spare parked for rank(s) %s; waiting up to %.0f s",
+                               dead, self.config.spare_wait_timeout)
+                for rank, slot in at.world.slot_of.items():
+                    if rank not in lost:
+                        at.tell(slot, channel.Recovering())
+            at.waiting = lost
+            self.processes.spawn_missing(at)
+            return
+        logger.error("no spare parked for rank(s) %s (--spare-policy %s)", dead, policy)
+        raise StopJob(self.failure_result(final=policy == "fail"), final=policy == "fail")
+
+    def apply(self, g: Generation, detected: float,
+              failed: list[dict[str, Any]] | None = None) -> None:
+        """Take generation ``g`` on this node and announce it to this node's ranks."""
+        at = self.attempt
+        world = at.world
+        before = dict(world.slot_of)
+        # This node's dead ranks: another node's generation gives them this node's
+        # spares even where it was decided without this node's word (an outage).
+        dead_here = {r: at.failed_record(r) for r, s in before.items() if not at.alive(s)}
+        placed = world.apply(g, at.alive)
+        at.gen = g
+        at.unplaced = placed.unplaced
+        if placed.promoted:
+            at.pool = self.config.spares  # a spare node is an active node now
+        handoffs: dict[int, channel.Handoff] = {}
+        for rank, slot in placed.released.items():
+            if not at.alive(slot):
+                continue
+            at.retired.add(slot)
+            prefix = f"tp-run/g{g.gen}/handoff/{rank}"
+            if g.boundary is not None and rank in placed.promoted:
+                # A planned migration: the leaving rank hands its state over.
+                handoffs[rank] = channel.Handoff("receiver", prefix)
+                at.tell(slot, at.generation_msg(None, channel.Handoff("donor", prefix)))
+            else:
+                at.tell(slot, at.generation_msg(None))  # retire it
+        superseded = at.recovery if at.recovery and not at.recovery.resumed else None
+        if superseded is not None:
+            at.recovery = None  # a failure during a recovery: one report for both
+        self._finish_report()
+        if not world.slot_of and not placed.unplaced:
+            # A spare node the generation left alone: nothing to announce or report.
+            self.write_status()
+            return
+        if failed is None:  # another node decided: its record has the details
+            failed = failures_served(g.replaced, dead_here, placed)
+        if superseded is not None:
+            detected = min(detected, superseded.detected)
+            known = {x["rank"] for x in superseded.failed}
+            failed = superseded.failed + [f for f in failed if f["rank"] not in known]
+        rec = Recovery(g.gen, g.reason, detected, decided=time.time(), failed=failed)
+        rec.promoted = [{"rank": r, "slot": s, "pid": at.procs[s].worker.pid}
+                        for r, s in sorted(placed.promoted.items())]
+        if superseded is not None:  # the first newcomers that still hold their rank
+            rec.promoted = sorted([p for p in superseded.promoted
+                                   if world.slot_of.get(p["rank"]) == p["slot"]] + rec.promoted,
+                                  key=lambda p: p["rank"])
+        for rank, slot in placed.promoted.items():
+            self.processes.show_as_rank(at, slot, rank)
+        at.recovery = rec
+        at.finished.clear()
+        for rank in [*placed.promoted, *placed.unplaced]:
+            # Where the rank's last holder ran: a newcomer reads the record it left
+            # (kept until a newcomer resumes: one that dies first leaves no record).
+            if rank in before:
+                at.origin.setdefault(rank, before[rank])
+        for rank, slot in world.slot_of.items():
+            at.tell(slot, at.generation_msg(rank, handoff=handoffs.get(rank),
+                                            from_slot=at.origin.get(rank)))
+        self.processes.spawn_missing(at)
+        self.write_status()
+
+    def fill_unplaced(self) -> None:
+        """A spare parked: give it a rank of this generation that has no process yet."""
+        at = self.attempt
+        while at.unplaced:
+            slot = at.world.fill(at.unplaced[0])
+            if slot is None:
+                return
+            rank = at.unplaced.pop(0)
+            self.processes.show_as_rank(at, slot, rank)
+            if at.recovery is not None:
+                at.recovery.promoted.append({"rank": rank, "slot": slot,
+                                             "pid": at.procs[slot].worker.pid})
+            at.tell(slot, at.generation_msg(rank, from_slot=at.origin.get(rank)))
+
+    def migrate(self, rank: int) -> str:
+        at = self.attempt
+        world, g = at.world, at.gen
+        if rank not in world.slot_of:
+            return f"error: no rank {rank} on this node (ranks {sorted(world.slot_of)})"
+        if at.recovery is not None and len(at.recovery.resumed) < len(world.slot_of):
+            return "error: a recovery is in progress; try again in a moment"
+        if not world.parked:
+            return "error: no spare is parked; try again when one is"
+        steps = [at.board.read(s) for s in world.slot_of.values()]
+        boundary = max(steps) + _MIGRATION_MARGIN
+        old = at.procs[world.slot_of[rank]].worker.pid
+        new = Generation(g.gen + 1, g.ranks, at.gens.store, [rank], "migration", boundary)
+        try:
+            if not at.gens.publish(new):
+                return "error: the job's generation changed meanwhile; try again"
+        except KVError as e:
+            return f"error: the rendezvous backend cannot publish the migration: {e}"
+        self.apply(new, time.time(), [{"rank": rank, "slot": world.slot_of[rank], "pid": old}])
+        pid = at.procs[world.slot_of[rank]].worker.pid
+        logger.warning("migrating rank %s from pid %s to pid %s at step %s", rank, old, pid,
+                       boundary)
+        return f"ok: rank {rank} moves to spare pid {pid} after step {boundary}"
+
+    def on_world_change(self) -> None:
+        """Act on what the job's state says now (one node: its own view, which only
+        ever ends the job)."""
+        at = self.attempt
+        at.last_view = time.monotonic()
+        try:
+            at.gens.flush()
+            view = at.gens.view()
+        except KVUnavailable as e:
+            at.outage_seen = time.monotonic()
+            self._backend_unreachable(e)
+            return
+        if view is None:
+            return
+        if view.broken:
+            # The backend refuses this node (not an outage): its world is lost.
+            stop_workers(self.processes.workers, signal.SIGTERM, self.config.shutdown_timeout)
+            raise StopJob(AttemptResult(change=WorldChange(
+                CHANGE_LOST, f"the rendezvous backend failed: {view.broken}")), final=False)
+        if view.failed and not at.exiting:
+            stop_workers(self.processes.workers, signal.SIGTERM, self.config.shutdown_timeout)
+            raise StopJob(AttemptResult(change=WorldChange(CHANGE_FAILURE, view.failed)),
+                          final=view.final)
+        g = view.generation
+        if g.gen > at.world.gen:
+            # (A deferred recovery is void: applying g gave this node's dead ranks
+            # its parked spares; lost nodes are looked at again below.)
+            detected = at.deferred_since if at.deferred else time.time()
+            at.deferred = {}
+            self.apply(g, detected)
+        if view.complete or (g.nodes and view.all_finished()):
+            if not at.exiting:
+                at.gens.mark_complete()
+                self.end_job()
+            return
+        lost = [n for n in g.nodes if n not in view.alive]
+        survivors = sorted(n for n in g.nodes if n in view.alive)
+        if lost and not at.exiting and survivors and survivors[0] == at.gens.node:
+            # One decider, the lowest live node (a race is settled by the CAS anyway).
+            moving = {r: n for r, n in g.ranks.items() if n in lost}
+            if not at.waiting:
+                logger.warning("node(s) %s lost (lease expired): moving rank(s) %s", lost,
+                               sorted(moving))
+            self.recover(moving, time.time(), view)
+        elif (at.waiting or at.deferred) and not at.exiting:
+            # A spare may have parked elsewhere; a deferred generation can go out now.
+            self.recover({}, at.waiting_since if at.waiting else at.deferred_since,
+                          view)
+
+    def _backend_unreachable(self, e: KVError) -> None:
+        """Multi-node, the backend cannot be reached: the workers keep running; what
+        waits for the backend waits up to ``outage_timeout``. Past it, a deferred
+        recovery ends the job (RendezvousError: one line); ranks that all finished
+        training are let go without the other nodes' word (every rank took part in
+        the last step's collectives, so every rank finished)."""
+        at = self.attempt
+        gens = at.gens
+        if gens.outage_s() <= gens.outage_timeout:
+            return
+        if at.deferred:
+            raise RendezvousError(f"rank(s) {sorted(at.deferred)} lost their process and "
+                                  f"{gens.outage_error(e)}")
+        if gens.finish_pending and not at.exiting:
+            logger.warning("this node's ranks finished training, and %s: they exit without "
+                           "waiting for the other nodes", gens.outage_error(e))
+            self.end_job()
+
+    def _defer(self, lost: dict[int, str], detected: float, e: KVError) -> None:
+        """The generation for ``lost`` cannot be published now (backend unreachable):
+        keep the decision's inputs and try again when the backend answers (every
+        view). Nothing is announced meanwhile: a generation exists only once its
+        compare-and-swap succeeded, so two nodes never announce different ones.
+        This node's surviving ranks are told to wait for it without their own limit."""
+        at = self.attempt
+        at.outage_seen = time.monotonic()
+        if not at.deferred:
+            at.deferred_since = detected
+            logger.warning("rank(s) %s lost their process while the rendezvous backend is "
+                           "unreachable; the new generation waits for it (outage_timeout="
+                           "%gs): %s", sorted(lost), at.gens.outage_timeout, e)
+            for rank, slot in at.world.slot_of.items():
+                if rank not in lost:
+                    at.tell(slot, channel.Recovering())
+        at.deferred = dict(lost)
+        self._backend_unreachable(e)
+
+    def fatal(self, msg: channel.Fatal) -> None:
+        """A rank found that the job cannot go on exactly: stop it, with that reason."""
+        if self.attempt.exiting:
+            return
+        detail = f"rank {msg.rank}: {msg.message}"
+        if msg.kind == "state_lost":
+            self.state_lost(detail)
+        print(f"tp-run: error: {detail}", file=sys.stderr, flush=True)
+        self.attempt.gens.report_failure(detail, final=True)
+        stop_workers(self.processes.workers, signal.SIGTERM, self.config.shutdown_timeout)
+        raise StopJob(AttemptResult(change=WorldChange(CHANGE_FAILURE, detail)), final=True)
+
+    def state_lost(self, detail: str) -> None:
+        """No rank holds the committed state: ``--spare-policy restart`` restarts every
+        worker (the script's own checkpoint applies); otherwise the job stops. Never a
+        start from scratch that looks like a recovery."""
+        restart = self.config.spare_policy == "restart"
+        print(f"tp-run: error: the training state is lost ({detail}); "
+              + ("restarting every worker (--spare-policy restart)" if restart
+                 else f"stopping (--spare-policy {self.config.spare_policy})"),
+              file=sys.stderr, flush=True)
+        self.attempt.gens.report_failure(f"training state lost: {detail}", final=not restart)
+        stop_workers(self.processes.workers, signal.SIGTERM, self.config.shutdown_timeout)
+        raise StopJob(AttemptResult(change=WorldChange(CHANGE_FAILURE, detail)),
+                      final=not restart)
+
+    def failure_result(self, final: bool = True) -> AttemptResult:
+        at = self.attempt
+        root = at.first_failure
+        at.gens.report_failure(f"rank {root.rank if root else '?'} failed and no spare is left",
+                               final)
+        stop_workers(self.processes.workers, signal.SIGTERM, self.config.shutdown_timeout)
+        if root is None:
+            return AttemptResult(change=WorldChange(CHANGE_LOST, "no spare left"))
+        return AttemptResult([root, *at.other_failures(root)], root)
+
+    def end_job(self) -> None:
+        """Every rank finished: past the exit barrier, nothing is left to recover."""
+        at = self.attempt
+        at.exiting = True
+        for proc in at.procs.values():
+            at.tell(proc.slot, channel.Exit())
+
+    def write_status(self) -> None:
+        """The status file (for ``tp-run migrate``, ``parked_spares()`` and people)."""
+        at = self.attempt
+        at.control.write_status(at.status(self.run_id))
+        at.gens.set_parked(len(at.world.parked))
+
+    def maybe_report(self) -> None:
+        rec = self.attempt.recovery
+        if rec is not None and rec.stepped_by_all(self.attempt.world.slot_of):
+            self._finish_report()
+
+    def _finish_report(self) -> None:
+        """Write the recovery in progress (if any) to recovery.jsonl and the console."""
+        at = self.attempt
+        rec, at.recovery = at.recovery, None
+        if rec is None:
+            return
+        event, line = recovery_report(rec, len(at.world.slot_of))
+        print(line, file=sys.stderr, flush=True)
+        self.layout.append("recovery.jsonl", json.dumps(event) + "\n")
