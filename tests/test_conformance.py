@@ -197,6 +197,7 @@ def test_default_env_argv_tee_and_log_layout(workdir, test_env):
         dumps[0]["env"]["TORCHELASTIC_RUN_ID"] + "_")
 
 
+@pytest.mark.slow
 def test_module_with_launcher_like_script_options(workdir, test_env):
     """``-m`` and underscore spellings; the script's own options (which look like the
     launcher's) reach it untouched; one worker: no OMP_NUM_THREADS and no warning."""
@@ -227,6 +228,7 @@ def test_no_python_and_leading_double_dash(workdir, test_env):
     assert dumps[0]["orig_argv"] == runs["torchrun"].dumps()[0]["orig_argv"]
 
 
+@pytest.mark.slow
 def test_run_path_differs_in_how_the_script_is_hosted(workdir, test_env):
     """``--run-path``: same argv and env. Named difference: torchrun runs the script in
     a multiprocessing child of the agent, tp-run in a fresh ``python -u -m
@@ -269,6 +271,7 @@ def test_pet_environment_fallbacks(workdir, test_env):
 # ---------------------------------------------------------------- rendezvous setups
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setup", ["standalone", "static", "c10d-one-node"])
 def test_rendezvous_setups(workdir, test_env, setup):
     """``--standalone`` (ignores --rdzv-id), ``static`` with master addr/port/node rank,
@@ -313,6 +316,7 @@ def test_virtual_local_rank(workdir, test_env):
 # ---------------------------------------------------------------- logs
 
 
+@pytest.mark.slow
 def test_local_ranks_filter_prefix_template_and_duplicate_filters(workdir, test_env):
     """``-t 3 --local-ranks-filter 1``, TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE and the
     duplicate-stream filters (``,,`` escapes a comma): same console, files and layout."""
@@ -355,6 +359,7 @@ def test_multi_digit_redirect_map_differs(workdir, test_env):
 # ---------------------------------------------------------------- failures
 
 
+@pytest.mark.slow
 def test_failure_restarts_summary_and_attempt_dirs(workdir, test_env):
     """Rank 1 raises under @record in every attempt; one restart: both launchers run
     attempts 0 and 1 (fresh attempt dirs, TORCHELASTIC_RESTART_COUNT 0 then 1), stop the
@@ -438,6 +443,7 @@ def test_unknown_option_same_exit_code(workdir, test_env):
 # ---------------------------------------------------------------- agent killed
 
 
+@pytest.mark.slow
 def test_sigkill_of_launcher_differs_orphans(workdir, test_env):
     """Named difference: SIGKILL to the launcher. torchrun 2.13's workers live on as
     orphans; tp-run's die with it (PR_SET_PDEATHSIG)."""

@@ -539,6 +539,7 @@ def test_migrate_refuses_a_socket_served_by_another_uid(shared_tmp: Path, other_
 # ---------------------------------------------------------------- real jobs
 
 
+@pytest.mark.slow
 @needs_root
 def test_another_user_cannot_touch_a_running_job(workdir, test_env, shared_tmp, other_python):
     """uid 65534 against a root job: it pre-creates the predictable control directories,
@@ -594,6 +595,7 @@ def test_another_user_cannot_touch_a_running_job(workdir, test_env, shared_tmp, 
     assert not os.path.exists(control)
 
 
+@pytest.mark.slow
 @needs_root
 def test_another_users_agent_refuses_root(workdir, test_env, shared_tmp, other_python):
     """A job of uid 65534; root reaches its socket (file modes do not stop root) and
@@ -659,6 +661,7 @@ BAD_LINES = [
 ]
 
 
+@pytest.mark.slow
 def test_malformed_lines_never_crash_the_agent(workdir, test_env, shared_tmp):
     """Each bad line, on a connection of the job's own user: one line in the log, that
     connection closed; the job trains on, and the agent still serves a migrate."""

@@ -84,6 +84,7 @@ def in_thread(fn) -> tuple[threading.Thread, dict]:
 # ---------------------------------------------------------------- the etcd client
 
 
+@pytest.mark.slow
 def test_client_reports_an_outage_and_its_watch_survives_it(etcd):
     """While etcd is down a request raises KVUnavailable (not a refusal) and the
     client says since when; after the restart requests work again, and a watch made
@@ -130,6 +131,7 @@ def test_refusals_are_not_outages(etcd):
         kv.close()
 
 
+@pytest.mark.slow
 def test_restart_with_authentication(tmp_path):
     """With authentication on, the client keeps working across an etcd restart (it
     logs in again if etcd forgot its token)."""
@@ -161,6 +163,7 @@ def test_restart_with_authentication(tmp_path):
 # ---------------------------------------------------------------- the protocol
 
 
+@pytest.mark.slow
 def test_outage_longer_than_the_lease_loses_nobody(etcd):
     """etcd down for three lease TTLs, then back: no member counts another lost (etcd
     gives every lease its full TTL again), the world is unchanged, and the monitors
@@ -186,6 +189,7 @@ def test_outage_longer_than_the_lease_loses_nobody(etcd):
         close_all(ms)
 
 
+@pytest.mark.slow
 def test_join_waits_for_the_backend(etcd):
     """Members that join while etcd is down wait for it and form their world when it
     is back."""
@@ -204,6 +208,7 @@ def test_join_waits_for_the_backend(etcd):
         close_all(ms)
 
 
+@pytest.mark.slow
 def test_join_gives_up_after_outage_timeout(etcd):
     """etcd never comes back: the join ends with one error naming outage_timeout."""
     ms = members(etcd, 2, outage_timeout=2)
@@ -221,6 +226,7 @@ def test_join_gives_up_after_outage_timeout(etcd):
         close_all(ms)
 
 
+@pytest.mark.slow
 def test_failure_report_waits_for_the_backend(etcd):
     """A failure reported while etcd is down is not lost: the member's next join
     delivers it first, and the other member sees a counted failure with its detail."""
@@ -242,6 +248,7 @@ def test_failure_report_waits_for_the_backend(etcd):
         close_all(ms)
 
 
+@pytest.mark.slow
 def test_final_failure_report_is_delivered_on_close(etcd):
     """A member that stops (no restart left) during an outage waits in close() for
     etcd, so that the others hear of it, and stop too."""
@@ -288,6 +295,7 @@ def test_expired_lease_is_renewed_with_its_keys(etcd):
         close_all(ms)
 
 
+@pytest.mark.slow
 def test_a_frozen_c10d_host_loses_nobody(tmp_path):
     """The c10d store's host frozen (SIGSTOP: as a swapping or cut-off machine) for three
     lease TTLs: every member's requests block meanwhile and every heartbeat goes stale,

@@ -42,6 +42,7 @@ def plain_env(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if not k.startswith(("PET_", "TORCHELASTIC"))}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["fail", "restart"])
 def test_every_holder_dying_at_once_is_not_a_fresh_start(workdir, test_env, policy):
     proc, out = launch(TP_RUN, workdir, test_env, "out",
@@ -71,6 +72,7 @@ def test_diverged_replicas_stop_the_job_naming_the_rank(workdir, test_env):
     assert not (out / "final_0.json").exists()
 
 
+@pytest.mark.slow
 def test_a_divergence_is_also_caught_after_a_recovery(workdir, test_env):
     # No --verify-every: the digest comparison that follows every recovery finds it
     # among the survivors (ranks 0 and 1; rank 2 dies).
@@ -81,6 +83,7 @@ def test_a_divergence_is_also_caught_after_a_recovery(workdir, test_env):
     assert "rank(s) [1] do not match rank 0" in proc.stderr, proc.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_the_loop_of_earlier_versions_is_one_clear_error(workdir, test_env):
     proc, _ = launch(TP_RUN, workdir, test_env, "out", ["--nproc-per-node", "2", "--spares", "1"],
                      ["--steps", "6", "--old-style"])
@@ -94,6 +97,7 @@ def test_the_loop_of_earlier_versions_is_one_clear_error(workdir, test_env):
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_checkpoint_loaded_before_run_is_kept(workdir, test_env):
     env = plain_env(test_env)
     ckpt = workdir / "ckpt.pt"
@@ -112,6 +116,7 @@ def test_checkpoint_loaded_before_run_is_kept(workdir, test_env):
     assert "5" in first_entries and "0" not in first_entries  # started at the checkpoint
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("steps", [12, 5], ids=["boundary-inside", "loop-ends-first"])
 def test_planned_migration_inside_a_loop_with_a_scheduler(workdir, test_env, steps):
     """Held in step 4, rank 1 is migrated: the boundary is two steps on. With 5 steps
@@ -156,6 +161,7 @@ def test_planned_migration_inside_a_loop_with_a_scheduler(workdir, test_env, ste
     assert ["1", str(min(6, steps))] in entries or ["1", str(min(7, steps))] in entries
 
 
+@pytest.mark.slow
 def test_a_rank_lost_after_the_last_step_while_another_still_commits_it(workdir, test_env):
     """Rank 1 dies after its last step; rank 2 has returned from train(); rank 0 is still
     inside the last iteration and learns of the failure at its commit. Same training

@@ -454,6 +454,7 @@ BAD_ENVIRONMENT = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case,args,mentions", BAD_INPUT, ids=[c[0] for c in BAD_INPUT])
 def test_bad_input_one_line_error(workdir, test_env, case, args, mentions):
     """Each bad command line: one ``tp-run: error:`` line naming the problem, non-zero

@@ -156,6 +156,7 @@ def test_min_max_last_call_then_late_node_is_admitted(kv_factory):
         close_all(ms)
 
 
+@pytest.mark.slow
 def test_beyond_max_is_redundancy_list_and_spare_takes_over(kv_factory):
     """--nnodes 1:2 with 3 members: 2 participants, 1 spare (the redundancy list).
     When the world's members leave, the spare forms the next world itself."""
@@ -191,6 +192,7 @@ def test_beyond_max_is_redundancy_list_and_spare_takes_over(kv_factory):
         close_all(ms)
 
 
+@pytest.mark.slow
 def test_lost_member_seen_through_lease_expiry(kv_factory):
     """A member that stops refreshing its lease (SIGKILLed agent) is seen as lost by the
     others within the TTL, counted as a failure; they re-form without it."""
@@ -253,6 +255,7 @@ def test_two_jobs_on_one_backend_never_see_each_other(kv_factory):
         close_all(ms)
 
 
+@pytest.mark.slow
 def test_leftovers_of_a_crashed_job_do_not_wedge_a_new_one(kv_factory):
     """A job whose members all crashed leaves its keys; a new job with the same run id
     forms its world once the old leases are gone (it opens a new round over them)."""
@@ -272,6 +275,7 @@ def test_leftovers_of_a_crashed_job_do_not_wedge_a_new_one(kv_factory):
             m.kv.close()
 
 
+@pytest.mark.slow
 def test_join_timeout_is_a_clear_error(kv_factory):
     """--nnodes 2 and only one member ever arrives: RendezvousError after join_timeout."""
     m = member(kv_factory, run_id(), (2, 2), 0, join_timeout=2)

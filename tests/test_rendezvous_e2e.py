@@ -117,6 +117,7 @@ def test_three_nodes_train_together(workdir, test_env, etcd_server):
     assert {e["WORLD_SIZE"] for e in oks.values()} == {"3"}
 
 
+@pytest.mark.slow
 def test_sigkilled_agent_is_noticed_and_the_world_restarts(workdir, test_env, etcd_server):
     """--nnodes 1:2: SIGKILL one agent while the job runs. Its workers die with it; the
     other agent sees its lease expire, stops its workers, re-rendezvouses alone
@@ -135,6 +136,7 @@ def test_sigkilled_agent_is_noticed_and_the_world_restarts(workdir, test_env, et
         ("1", "1", "0")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["etcd", "c10d"])
 def test_worker_failure_on_one_node_restarts_every_node(workdir, test_env, etcd_server,
                                                         c10d_endpoint, backend):
@@ -165,6 +167,7 @@ def test_restarts_exhausted_every_node_exits_1_with_summary(workdir, test_env, e
     assert sum("exitcode  : 3 " in err for _, err in results) == 1
 
 
+@pytest.mark.slow
 def test_late_node_is_admitted_by_a_restart(workdir, test_env, etcd_server):
     """--nnodes 1:2: the first agent forms a world of 1 after last_call_timeout; its
     worker waits for a bigger world. A second agent arrives and waits; the first
@@ -216,6 +219,7 @@ def one_error_line(err: str) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["etcd", "c10d"])
 def test_unreachable_endpoint_is_one_line_error(workdir, test_env, backend):
     """Nothing listens at the endpoint: one error line within the timeout, exit 1.
@@ -228,6 +232,7 @@ def test_unreachable_endpoint_is_one_line_error(workdir, test_env, backend):
     assert "cannot reach" in line and "3s" in line
 
 
+@pytest.mark.slow
 def test_nodes_that_never_arrive_is_one_line_error(workdir, test_env, etcd_server):
     """--nnodes 2 and only one agent ever starts: join_timeout, one error line, exit 1."""
     job = Agents(workdir, test_env, "etcd", etcd_server.endpoint, "2")

@@ -74,6 +74,7 @@ def test_tls_with_client_certificates_forms_a_world(tls_etcd):
                                connect_timeout=10))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["wrong-ca", "no-client-cert"])
 def test_refused_tls_handshake_is_a_clear_error(tls_etcd, case):
     server, certs = tls_etcd
@@ -100,6 +101,7 @@ def test_two_agents_over_tls(workdir, test_env, tls_etcd):
     assert sorted(job.oks()) == ["ok_0_0", "ok_0_1"]
 
 
+@pytest.mark.slow
 def test_tp_run_with_the_wrong_ca_is_one_line_error(workdir, test_env, tls_etcd):
     server, certs = tls_etcd
     job = Agents(workdir, test_env, "etcd", server.endpoint, "2")
@@ -130,6 +132,7 @@ def test_wrong_password_is_one_line_error(workdir, test_env, auth_etcd):
     assert "authentication failed" in one_error_line(err)
 
 
+@pytest.mark.slow
 def test_missing_login_is_one_line_error(workdir, test_env, tmp_path):
     """An etcd with authentication on, reached over plain http without a login (no
     password sent, so plain http is allowed): the first write says a login is needed."""
@@ -143,6 +146,7 @@ def test_missing_login_is_one_line_error(workdir, test_env, tmp_path):
     assert "requires a login" in one_error_line(err)
 
 
+@pytest.mark.slow
 def test_password_never_reaches_the_workers(workdir, test_env, auth_etcd):
     """A job that logs in with TP_RUN_ETCD_PASSWORD: its workers' environment has
     everything else of the agent's (TP_RUN_ETCD_USER, say), not the password."""

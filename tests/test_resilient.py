@@ -97,7 +97,9 @@ def check_completed(proc: subprocess.CompletedProcess, out: Path, reference: str
             assert results[rank]["pid"] != first_pid[rank]
 
 
-@pytest.mark.parametrize("where", ["forward", "allreduce", "after-step"])
+# The inner loop (-m "not slow") keeps one of the three: a kill inside the all-reduce.
+@pytest.mark.parametrize("where", [pytest.param("forward", marks=pytest.mark.slow), "allreduce",
+                                   pytest.param("after-step", marks=pytest.mark.slow)])
 def test_sigkill_one_rank(workdir, test_env, reference, where):
     log_dir = workdir / "logs"
     proc, out = launch(workdir, test_env, ["--nproc-per-node", "4", "--spares", "1",
@@ -112,12 +114,14 @@ def test_sigkill_one_rank(workdir, test_env, reference, where):
     assert "tp-run: failure: rank(s) [2]" in proc.stderr
 
 
+@pytest.mark.slow
 def test_kill_rank_zero(workdir, test_env, reference):
     proc, out = launch(workdir, test_env, ["--nproc-per-node", "4", "--spares", "1"],
                        ["--kill", "0:5:after-step"])
     check_completed(proc, out, reference, {0})
 
 
+@pytest.mark.slow
 def test_two_failures_in_one_run(workdir, test_env, reference):
     proc, out = launch(workdir, test_env, ["--nproc-per-node", "4", "--spares", "1"],
                        ["--kill", "1:4:forward,3:14:allreduce"])
@@ -125,6 +129,7 @@ def test_two_failures_in_one_run(workdir, test_env, reference):
     assert proc.stderr.count("tp-run: failure:") == 2
 
 
+@pytest.mark.slow
 def test_two_ranks_at_once_two_spares(workdir, test_env, reference):
     proc, out = launch(workdir, test_env, ["--nproc-per-node", "4", "--spares", "2"],
                        ["--kill", "1:6:forward,2:6:forward", "--parked", "2"])
@@ -199,6 +204,7 @@ def background(workdir: Path, env: dict[str, str], args: list[str]) -> Iterator[
             proc.communicate()
 
 
+@pytest.mark.slow
 def test_kill_parked_spare_is_replaced(workdir, test_env, reference):
     """(The ranks hold at step 2 until the new spare has parked: spares start only once
     the ranks reached tp_launch.resilient.run(), so a short job could end first.)"""
@@ -216,6 +222,7 @@ def test_kill_parked_spare_is_replaced(workdir, test_env, reference):
     check_completed(subprocess.CompletedProcess([], 0, stdout, stderr), out, reference, set())
 
 
+@pytest.mark.slow
 def test_planned_migration_recomputes_no_step(workdir, test_env, reference):
     # The ranks hold at step 2 until the migration is asked for (the spare parks only
     # after the ranks reached tp_launch.resilient.run(): a short job could end first).
@@ -246,6 +253,7 @@ def test_migrate_bad_requests(workdir, test_env):
     assert cmd.returncode == 2 and "--rank" in cmd.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["fail", "restart", "wait"])
 def test_no_spare_left(workdir, test_env, reference, policy):
     """Two ranks die at once with one spare parked. (LOGLEVEL=INFO: restarts are logged
@@ -271,6 +279,7 @@ def test_no_spare_left(workdir, test_env, reference, policy):
         check_completed(proc, out, reference, {1, 2})
 
 
+@pytest.mark.slow
 def test_crash_loop_stops_with_root_cause(workdir, test_env):
     log_dir = workdir / "logs"
     proc, out = launch(workdir, test_env, ["--nproc-per-node", "2", "--spares", "2",
@@ -283,6 +292,7 @@ def test_crash_loop_stops_with_root_cause(workdir, test_env):
     assert len(recoveries(log_dir)) <= 1  # the pool was not drained
 
 
+@pytest.mark.slow
 def test_script_not_using_the_api_runs_as_under_torchrun(workdir, test_env):
     """A plain script with --spares: no spare ever starts beside it (none crashes, none
     writes a file), one line says the spares are unused, failures go torchrun's way."""
@@ -342,6 +352,7 @@ def test_spare_that_cannot_start_backs_off(workdir, test_env, policy):
         assert [r["step"] for r in finals(out, world=2)] == [8, 8]
 
 
+@pytest.mark.slow
 def test_parked_spare_that_keeps_dying_backs_off(workdir, test_env, reference):
     """Every spare SIGKILLs itself as soon as it is parked: it is replaced, ever later,
     reported once; the ranks never notice."""
@@ -362,6 +373,7 @@ def test_parked_spare_that_keeps_dying_backs_off(workdir, test_env, reference):
     check_completed(subprocess.CompletedProcess([], rc, stdout, err), out, reference, set())
 
 
+@pytest.mark.slow
 def test_full_log_disk_costs_logs_not_the_recovery(workdir, test_env, reference, small_disk):
     """The log disk fills up (space and inodes) while the job runs; then a rank dies. The
     recovery goes on as usual: the new spare gets no log directory, recovery.jsonl no
@@ -387,6 +399,7 @@ def test_full_log_disk_costs_logs_not_the_recovery(workdir, test_env, reference,
     assert not recoveries(small_disk)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("outcome", ["recovered", "failed", "signalled"])
 def test_no_temp_directory_left_behind(workdir, test_env, tmp_path, outcome):
     """Resilient mode without --log-dir: after tp-run exits (a recovery then success, a
@@ -416,6 +429,7 @@ def test_no_temp_directory_left_behind(workdir, test_env, tmp_path, outcome):
     assert left == {}, left
 
 
+@pytest.mark.slow
 def test_sigkill_to_agent_leaves_no_rank_or_spare(workdir, test_env):
     with background(workdir, test_env, ["--nproc-per-node", "2", "--spares", "1", SCRIPT,
                                         "--steps", "1000", "--step-sleep", "0.1"]) as (proc, _, _):
@@ -488,6 +502,7 @@ def all_held(out: Path) -> bool:
     return all((out / f"held_{r}").exists() for r in range(4))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spares_on", ["spare node", "surviving node"])
 def test_node_loss_moves_its_ranks_to_spares(workdir, test_env, reference, etcd_server,
                                              spares_on):
@@ -528,6 +543,7 @@ def test_node_loss_moves_its_ranks_to_spares(workdir, test_env, reference, etcd_
     assert f"tp-run: node loss: rank(s) {sorted(moved)}" in results[-1][1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["etcd", "c10d"])
 def test_rank_failure_across_nodes(workdir, test_env, reference, etcd_server, backend):
     """etcd or c10d, --nnodes 2 and three agents (the last to join is a spare node): a rank
@@ -550,6 +566,7 @@ def test_rank_failure_across_nodes(workdir, test_env, reference, etcd_server, ba
     assert len(spare_nodes) == 1 and not recoveries(workdir / f"logs{spare_nodes[0]}")
 
 
+@pytest.mark.slow
 def test_node_loss_without_spares_restarts_the_survivors(workdir, test_env, etcd_server):
     """etcd, --nnodes 1:2, --spare-policy restart: a node dies and nothing parked anywhere
     can take its two ranks: the survivor restarts its workers (counted) in a new round of
@@ -572,6 +589,7 @@ def test_node_loss_without_spares_restarts_the_survivors(workdir, test_env, etcd
     assert [r["step"] for r in finals(out, world=2)] == [STEPS, STEPS]
 
 
+@pytest.mark.slow
 def test_planned_migration_across_nodes(workdir, test_env, reference, etcd_server):
     """etcd, --nnodes 2: `tp-run migrate` on one node moves its rank to that node's spare;
     the boundary step travels with the generation through etcd, so the other node's ranks

@@ -116,6 +116,7 @@ sys.exit(max(p.wait() for p in procs))
 '''
 
 
+@pytest.mark.slow
 def test_sbatch_example_under_fake_srun(workdir, test_env, tmp_path):
     """examples/slurm/train.sbatch with a faked 2-node allocation: the two agents take
     nnodes, node ranks, run id and master address from SLURM_* and train together."""

@@ -128,6 +128,7 @@ def _run_pair(hostile: str = "") -> dict:
     return results
 
 
+@pytest.mark.slow
 def test_state_arrives_exact_with_small_tensors_packed():
     results = _run_pair()
     (sent, sd0, adam0, _, step0, extra0, sched0) = results[0]
@@ -143,6 +144,7 @@ def test_state_arrives_exact_with_small_tensors_packed():
     assert sched1 == sched0 and math.isinf(sched1["mode_worse"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hostile", ["pickle", "version", "json", "tag", "dtype", "objects"])
 def test_malformed_or_hostile_message_is_a_clear_error(hostile):
     results = _run_pair(hostile)
