@@ -1,8 +1,6 @@
 """The worker <-> agent channel's framing and the progress board, without processes."""
 
 import json
-import os
-import stat
 
 import pytest
 
@@ -137,52 +135,3 @@ def test_line_reader_then_decode_a_stream():
 
 
 # ---------------------------------------------------------------- the progress board
-
-
-def test_board_write_read(tmp_path):
-    path = str(tmp_path / "board")
-    agent = channel.ProgressBoard(path, create=True)
-    worker = channel.ProgressBoard(path)
-    try:
-        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-        assert [agent.read(s) for s in (0, 1, channel.BOARD_SLOTS - 1)] == [-1, -1, -1]
-        worker.write(1, 41)
-        worker.write(channel.BOARD_SLOTS - 1, 2**62)
-        worker.write(channel.BOARD_SLOTS, 5)  # out of range: ignored
-        worker.write(-1, 5)
-        assert agent.read(1) == 41 and agent.read(0) == -1
-        assert agent.read(channel.BOARD_SLOTS - 1) == 2**62
-        assert agent.read(channel.BOARD_SLOTS) == -1 and agent.read(-1) == -1
-    finally:
-        worker.close()
-        agent.close()
-        agent.close()  # twice is fine
-
-
-def test_board_is_created_once_and_never_through_a_link(tmp_path):
-    path = str(tmp_path / "board")
-    channel.ProgressBoard(path, create=True).close()
-    with pytest.raises(FileExistsError):
-        channel.ProgressBoard(path, create=True)
-    link = str(tmp_path / "link")
-    os.symlink(path, link)
-    with pytest.raises(OSError):
-        channel.ProgressBoard(link)
-    with pytest.raises(OSError):
-        channel.ProgressBoard(str(tmp_path / "missing"))
-
-
-def test_board_refuses_a_short_file_and_reads_hostile_words_as_numbers(tmp_path):
-    short = tmp_path / "short"
-    short.write_bytes(b"\x00" * 100)
-    with pytest.raises(ValueError):
-        channel.ProgressBoard(str(short))
-    path = str(tmp_path / "board")
-    board = channel.ProgressBoard(path, create=True)
-    try:
-        with open(path, "r+b") as f:  # anything the owner writes is just a step
-            f.write(b"\xff" * 8 + b"\x80" + b"\x00" * 6 + b"\x00")
-        assert board.read(0) == -1
-        assert board.read(1) == 0x80
-    finally:
-        board.close()

@@ -1,7 +1,8 @@
 """The worker <-> local agent channel of resilient mode: JSON lines over a Unix socket.
 
 One module on purpose: it is the whole contract between a worker and its agent (the
-socket's messages and the shared progress board), which both sides import alone.
+socket's messages, and the names of the environment variables that carry it), which
+both sides import alone.
 
 Workers talk only to their own node's agent. The agent listens on a Unix socket in its
 private control directory (:mod:`tp_launch.control_files`) and puts the socket's path
@@ -52,20 +53,17 @@ to a worker (:data:`TO_WORKER`)
     :class:`Reply` ``reply`` {message}: the answer to ``migrate`` ("ok: ..." or
         "error: ...").
 
-The agent also shares a progress board with its processes: a small file mapped by
-every process (``TP_RUN_PROGRESS``), one signed 64-bit committed step per slot, written
-by the worker at each commit. Reading it costs the agent nothing and the worker one
-store to memory, so the agent knows every rank's step (for planned migrations and
-crash-loop detection) without a message per step. Beside it, each worker keeps its
-per-rank record (``<board>.slot<N>``, :mod:`tp_launch.resilient.per_rank`).
+The agent also shares a progress board with its processes (``TP_RUN_PROGRESS``,
+:mod:`tp_launch.progress`): each process's committed step, heartbeat and position in
+the collectives, as stores to shared memory, so the agent knows what every rank does
+without a message per step. Beside it, each worker keeps its per-rank record
+(``<board>.slot<N>``, :mod:`tp_launch.resilient.per_rank`).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import mmap
-import os
 import socket
 import struct
 import types
@@ -83,8 +81,6 @@ ENV_VERIFY_EVERY = "TP_RUN_VERIFY_EVERY"
 MAX_LINE = 64 * 1024
 _INT_LIMIT = 2**63  # integers travel as int64 at most (the progress board's steps)
 
-BOARD_SLOTS = 4096
-_STEP = struct.Struct("q")
 _CREDS = struct.Struct("3i")  # struct ucred
 
 
@@ -382,46 +378,3 @@ class LineReader:
         if len(self._buf) > MAX_LINE or any(len(line) > MAX_LINE for line in lines):
             raise ChannelError(f"a line longer than {MAX_LINE} bytes")
         return [line for line in lines if line.strip()]
-
-
-# ---------------------------------------------------------------- progress board
-
-
-class ProgressBoard:
-    """The shared per-slot committed-step board.
-
-    Args:
-        path: the board file. ``create`` (the agent): a new file, made without following
-            links and readable by the owner only (every slot -1); else an existing one.
-        create: True in the agent, False in workers.
-    """
-
-    def __init__(self, path: str, create: bool = False) -> None:
-        self.path = path
-        size = BOARD_SLOTS * _STEP.size
-        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600) if create else \
-            os.open(path, flags)
-        try:
-            if create:
-                os.ftruncate(fd, size)
-            self._mm = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        if create:
-            self._mm[:] = _STEP.pack(-1) * BOARD_SLOTS
-
-    def write(self, slot: int, step: int) -> None:
-        if 0 <= slot < BOARD_SLOTS:
-            _STEP.pack_into(self._mm, slot * _STEP.size, step)
-
-    def read(self, slot: int) -> int:
-        if 0 <= slot < BOARD_SLOTS:
-            return _STEP.unpack_from(self._mm, slot * _STEP.size)[0]
-        return -1
-
-    def close(self) -> None:
-        try:
-            self._mm.close()
-        except (BufferError, ValueError):
-            pass

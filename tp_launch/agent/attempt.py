@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rendezvous import RendezvousInfo
-from tp_launch import channel
+from tp_launch import channel, progress
 from tp_launch.agent.control import CrashLoop, Generation, World
 from tp_launch.agent.control_server import Conn, ControlServer
 from tp_launch.agent.failures import ProcessFailure
@@ -52,7 +52,7 @@ class Attempt:
     logs: AttemptLogs
     restart_count: int
     control: ControlServer
-    board: channel.ProgressBoard
+    board: progress.ProgressBoard
     gens: Generations
     sel: selectors.BaseSelector
     tail: ConsoleTail

@@ -32,7 +32,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import Callable
 
-from tp_launch import channel
+from tp_launch import channel, progress
 from tp_launch.config import ConfigError
 from tp_launch.control_files import (
     AgentStatus,
@@ -79,14 +79,14 @@ class ControlServer:
         self._conns: set[Conn] = set()
         self._sel: selectors.BaseSelector | None = None
         self._server: socket.socket | None = None
-        self._board: channel.ProgressBoard | None = None
+        self._board: progress.ProgressBoard | None = None
         try:
             self.directory = new_control_dir()
         except OSError as e:
             raise ConfigError(f"cannot make a private control directory: {e}") from None
         self.path = agent_socket(self.directory, os.getpid())
         try:
-            self._board = channel.ProgressBoard(agent_progress_board(self.directory, os.getpid()),
+            self._board = progress.ProgressBoard(agent_progress_board(self.directory, os.getpid()),
                                                create=True)
             self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self._server.bind(self.path)
@@ -100,7 +100,7 @@ class ControlServer:
             raise
 
     @property
-    def board(self) -> channel.ProgressBoard:
+    def board(self) -> progress.ProgressBoard:
         """The attempt's progress board (the ranks' committed steps)."""
         assert self._board is not None  # made in __init__, or __init__ raised
         return self._board

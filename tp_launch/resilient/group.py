@@ -97,6 +97,17 @@ def all_gather_flat(output: torch.Tensor, input: torch.Tensor,
     return gather(output, input, group=group, async_op=async_op)
 
 
+def sequence_number() -> int:
+    """The default group's collective count: how many collectives this process issued
+    in it (-1 when there is no group). Safe from any thread."""
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+        # A method of the C++ class that torch's stubs leave out (torch 2.4 to 2.13).
+        return pg._get_sequence_number_for_group()  # type: ignore[attr-defined]
+    except Exception:
+        return -1
+
+
 def let_go() -> None:
     """Before this process exits with the script's error: destroy the group, and give
     gloo's worker threads the moment they need to drop the collectives they finished.

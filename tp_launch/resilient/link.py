@@ -20,7 +20,7 @@ import socket
 import threading
 import time
 
-from tp_launch import channel
+from tp_launch import channel, progress
 from tp_launch.resilient import group
 
 logger = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ class AgentLink:
         self.slot = slot
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.connect(path)
-        self.board = channel.ProgressBoard(board) if board else None
+        self.board = progress.ProgressBoard(board) if board else None
         self._cond = threading.Condition()
         self._latest: channel.NewGeneration | None = None
         self._exit = False

@@ -40,22 +40,11 @@ import logging
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
-from tp_launch.resilient import rng
+from tp_launch.resilient import group, rng
 from tp_launch.resilient.state import Cursor, ResilientUsageError, State
 
 logger = logging.getLogger(__name__)
-
-
-def _sequence_number() -> int:
-    """The default group's collective count (-1 when unknown)."""
-    try:
-        group = dist.distributed_c10d._get_default_group()
-        # A method of the C++ class that torch's stubs leave out (torch 2.4 to 2.13).
-        return group._get_sequence_number_for_group()  # type: ignore[attr-defined]
-    except Exception:
-        return -1
 
 
 class _ModuleRecord:
@@ -219,7 +208,7 @@ class Rollback:
         """The state is a committed one: remember what the next iteration may change."""
         s = self.state
         if self.dirty and not self.snapshot_on and s.snapshot == "auto" \
-                and self._seq_at_step >= 0 and _sequence_number() != self._seq_at_step:
+                and self._seq_at_step >= 0 and group.sequence_number() != self._seq_at_step:
             logger.info("a collective runs after the optimizer step: snapshots on "
                         "(State(snapshot='auto'))")
             self.snapshot_on = True
@@ -245,7 +234,7 @@ class Rollback:
         if self.dirty:
             return
         self.dirty = True
-        self._seq_at_step = _sequence_number()
+        self._seq_at_step = group.sequence_number()
         if self._on_step is not None:
             self._on_step()
         if self.snapshot_on:
@@ -340,7 +329,7 @@ class Rollback:
                 m.training = training
 
 
-def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+def _hyperparameters(param_group: dict[str, Any]) -> dict[str, Any]:
     return {k: (v.clone() if isinstance(v, torch.Tensor) else copy.copy(v))
-            for k, v in group.items() if k != "params"}
+            for k, v in param_group.items() if k != "params"}
 

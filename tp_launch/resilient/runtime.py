@@ -50,8 +50,10 @@ from typing import Callable, Literal, NoReturn, TypeVar
 import torch.distributed as dist
 
 from tp_launch import channel, control_files
+from tp_launch.progress import Stage
 from tp_launch.resilient import group, per_rank, rng
 from tp_launch.resilient.ddp import Layouts
+from tp_launch.resilient.heartbeat import Heartbeat
 from tp_launch.resilient.link import AgentLink
 from tp_launch.resilient.rollback import Rollback
 from tp_launch.resilient.state import GenerationChanged, Hooks, ResilientUsageError, State
@@ -124,6 +126,7 @@ class _ResilientHooks(Hooks):
         every = os.environ.get(channel.ENV_VERIFY_EVERY, "")
         self.verify_every = int(every) if every.isdigit() else 0
         self._verified = -1
+        self.last_commit: float | None = None  # monotonic; None: none in this generation
 
     def entered(self, state: State) -> None:
         self.r.rollback.refresh_layout()
@@ -134,7 +137,10 @@ class _ResilientHooks(Hooks):
         r.rollback.capture()
         r._record(provisional=False)
         if link.board is not None:
-            link.board.write(link.slot, state.step)
+            now = time.monotonic()
+            took = 0.0 if self.last_commit is None else now - self.last_commit
+            link.board.commit(link.slot, state.step, now, took)
+            self.last_commit = now
         if link.report_first_step:
             link.report_first_step = False
             link.send(channel.Stepped(gen=link.current_gen, rank=r.rank, step=state.step,
@@ -148,6 +154,10 @@ class _ResilientHooks(Hooks):
         newer = self.r.link.newer()
         if newer is not None and (newer.boundary is None or state.step >= newer.boundary):
             raise GenerationChanged(f"generation {newer.gen} at step {state.step}")
+
+    def long_phase(self, until: float) -> None:
+        if self.r.link.board is not None:
+            self.r.link.board.long_phase(self.r.link.slot, until)
 
 
 class _Runner:
@@ -166,7 +176,14 @@ class _Runner:
         self.record = _open_record(f"{board}.slot{link.slot}", create=True) if board else None
         # A rank process starts with the state it built (or loaded); a spare holds none.
         state._holds = os.environ.get("TP_RUN_SPARE") != "1"
-        state.hooks = _ResilientHooks(self)
+        self.hooks = _ResilientHooks(self)
+        state.hooks = self.hooks
+        if link.board is not None:
+            Heartbeat(link.board, link.slot)
+
+    def _stage(self, gen: int, stage: Stage) -> None:
+        if self.link.board is not None:
+            self.link.board.enter(self.link.slot, gen, stage)
 
     def loop(self, train: Callable[[State], T]) -> T:
         link = self.link
@@ -178,13 +195,16 @@ class _Runner:
             gen = announced
             link.current_gen = gen.gen
             script_error: Exception | None = None
+            cause = "the generation was announced"
             try:
                 if gen.rank is None:
                     self._retire(gen)  # not a rank in this generation: exits
                 self.rank = gen.rank
                 self._enter(gen)
+                self._stage(gen.gen, Stage.TRAINING)
                 result = train(self.state)
                 self.state.end()
+                self._stage(gen.gen, Stage.FINISHED)
                 link.send(channel.Finished(gen=gen.gen, rank=gen.rank, step=self.state.step))
                 announced = link.wait(None)
                 if isinstance(announced, channel.Exit):
@@ -197,8 +217,10 @@ class _Runner:
                 if not _is_communication_error(e) and not link.stale():
                     script_error = e
                 else:
-                    logger.info("rank %s: %s: %s; moving to the next generation",
-                                gen.rank, type(e).__name__, e)
+                    # Only its type and text: the exception would keep the old group's
+                    # frames (and with them its sockets) alive.
+                    cause = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                    logger.info("rank %s: %s; moving to the next generation", gen.rank, cause)
             if script_error is not None:
                 # The script's own error ends this process: with exit 1, never a
                 # SIGABRT from gloo's threads at the interpreter's exit (a signal death
@@ -208,19 +230,23 @@ class _Runner:
             # Out of the except block the traceback is gone, and with it the frames
             # that held DDP and the old group: teardown can now really drop the group,
             # which is what releases the peers still blocked in it (gloo).
+            self._stage(gen.gen, Stage.WAITING)
             self.state.abandon()
             self.layouts.abandon()
             group.teardown()
             announced = link.wait(RECOVERY_WAIT_S)
             if announced is None:
-                raise RuntimeError("a collective failed and no new generation came from "
-                                   f"the agent within {RECOVERY_WAIT_S:.0f} s")
+                raise RuntimeError(f"no new generation came from the agent within "
+                                   f"{RECOVERY_WAIT_S:.0f} s after this rank's training "
+                                   f"stopped ({cause})")
 
     def _enter(self, gen: channel.NewGeneration) -> None:
         """Join generation ``gen``: handoff (migration), group, agreement, transfer."""
         link, state = self.link, self.state
         assert gen.rank is not None
         t0 = time.monotonic()
+        self.hooks.last_commit = None
+        self._stage(gen.gen, Stage.JOINING)
         store = group.connect_store(gen.master_addr, gen.master_port)
         handoff_bytes = 0
         if gen.handoff is not None and gen.handoff.role == "receiver":
@@ -229,6 +255,7 @@ class _Runner:
         group.build(store, gen.gen, gen.rank, gen.world_size, self.backend, self.timeout,
                     link.stale)
         t2 = time.monotonic()
+        self._stage(gen.gen, Stage.AGREEING)
         os.environ.update({"RANK": str(gen.rank), "WORLD_SIZE": str(gen.world_size),
                            "ROLE_RANK": str(gen.rank), "ROLE_WORLD_SIZE": str(gen.world_size)})
         fresh = gen.reason == "start"

@@ -28,12 +28,19 @@ after a commit. Under plain torchrun the loops are plain counters.
 Callbacks given to :meth:`State.on_commit` during an iteration run once it is
 committed, and never if it is abandoned: side effects that must happen once per step
 (a loss log, a metrics push) go there.
+
+A phase that runs much longer than a step (an evaluation, a checkpoint save) is marked
+``with state.long_phase(seconds):`` so that the agent's hang detection gives it that
+budget instead of taking it for a hang (the agent reads the mark on the progress board;
+without an agent it does nothing).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterable, Iterator
 
@@ -89,6 +96,9 @@ class Hooks:
     def check(self, state: State) -> None:
         """After the commit's callbacks: raise GenerationChanged if the job moves on."""
 
+    def long_phase(self, until: float) -> None:
+        """A phase marked long runs until monotonic time ``until`` (0: it ended)."""
+
 
 class State:
     """The training state that resilient mode keeps alive across failures.
@@ -120,6 +130,7 @@ class State:
         self.cursor = Cursor()
         self.hooks: Hooks = Hooks()
         self._depth = 0  # how many of our loops' bodies are running
+        self._long_depth = 0  # how many long_phase() marks are open
         self._callbacks: list[Callable[[], Any]] = []
         self._replaying = False  # epochs() restored the pass's generators: batches() need not
         self._resume_rng: dict[str, Any] | None = None  # the committed ones, meanwhile
@@ -276,6 +287,28 @@ class State:
             fn()
         else:
             self._callbacks.append(fn)
+
+    @contextlib.contextmanager
+    def long_phase(self, seconds: float | None = None) -> Iterator[None]:
+        """Mark a phase that takes much longer than a step (evaluation, a checkpoint
+        save): while it runs, hang detection gives this rank ``seconds`` (None: no
+        limit) instead of the hang timeout. Its peers waiting for it meanwhile are not
+        hung either. Nests; the outermost mark counts."""
+        if self._long_depth:
+            self._long_depth += 1
+            try:
+                yield
+            finally:
+                self._long_depth -= 1
+            return
+        self._long_depth = 1
+        until = float("inf") if seconds is None else time.monotonic() + seconds
+        self.hooks.long_phase(until)
+        try:
+            yield
+        finally:
+            self._long_depth = 0
+            self.hooks.long_phase(0.0)
 
     def _entered(self) -> None:
         self._settle_break()
