@@ -135,6 +135,18 @@ def _opt(*names: str, **kwargs: Any) -> Callable:
 @_opt("--verify-every", "--verify_every", default=0, type=click.IntRange(min=0),
       help="tp-run: every N committed steps the ranks compare a digest of their state "
       "and stop the job if they differ (0: only after each recovery).")
+@_opt("--hang-timeout", "--hang_timeout", default=None, type=click.FloatRange(min=0.0),
+      help="tp-run: seconds without progress (no step committed, no collective issued) "
+      "after which the rank that holds the others up has its stack logged, is killed "
+      "and replaced; the limit grows to 20x the median step time for slow steps "
+      "(default 300 with --spares and a resilient script; 0: off). A plain script: no "
+      "output from any worker for that long restarts the workers (default: off).")
+@_opt("--straggler-factor", "--straggler_factor", default=2.0, type=click.FloatRange(min=0.0),
+      help="tp-run: a rank that needs this many times its peers' time per step for a "
+      "whole --straggler-window migrates to a parked spare (0: off).")
+@_opt("--straggler-window", "--straggler_window", default=60.0,
+      type=click.FloatRange(min=1.0),
+      help="tp-run: seconds a rank must stay slow before it is taken for a straggler.")
 @click.argument("training_script", envvar=None)
 @click.argument("training_script_args", nargs=-1, type=click.UNPROCESSED)
 def tp_run(**opts: Any) -> int:
@@ -194,6 +206,9 @@ def config_from_options(opts: dict[str, Any]) -> LaunchConfig:
     # click's FloatRange lets nan and inf through (nan compares false with the bounds).
     check_seconds(opts["monitor_interval"], "--monitor-interval")
     check_seconds(opts["spare_wait_timeout"], "--spare-wait-timeout")
+    for option in ("hang_timeout", "straggler_factor", "straggler_window"):
+        if opts[option] is not None:
+            check_seconds(opts[option], "--" + option.replace("_", "-"))
 
     return LaunchConfig(
         min_nodes=min_nodes,
@@ -232,6 +247,9 @@ def config_from_options(opts: dict[str, Any]) -> LaunchConfig:
         spare_policy=opts["spare_policy"],
         spare_wait_timeout=opts["spare_wait_timeout"],
         verify_every=opts["verify_every"],
+        hang_timeout=opts["hang_timeout"],
+        straggler_factor=opts["straggler_factor"],
+        straggler_window=opts["straggler_window"],
     )
 
 

@@ -31,6 +31,11 @@ class Std(enum.IntFlag):
     ALL = 3
 
 
+# Resilient mode's hang limit floor: well under torch's own watchdogs (10 to 30 min),
+# well over a rank-0 checkpoint save that nobody marked as a long phase.
+DEFAULT_HANG_TIMEOUT = 300.0
+
+
 @dataclass
 class LaunchConfig:
     """Everything the agent needs to run one job on this node.
@@ -54,6 +59,13 @@ class LaunchConfig:
             ``spare_wait_timeout`` seconds, or ``fail``.
         verify_every: resilient mode: compare the ranks' state digests every N
             committed steps (0: only after each recovery).
+        hang_timeout: seconds without progress after which a hung rank is killed and
+            replaced (resilient mode; the floor of an adaptive limit, see
+            :mod:`tp_launch.agent.hangs`), or a plain script's workers restarted (no
+            output for that long); 0: off; None: the default (resilient mode
+            :data:`DEFAULT_HANG_TIMEOUT`, compatible mode off).
+        straggler_factor: resilient mode: a rank that needs this many times its peers'
+            time per step for ``straggler_window`` seconds migrates to a spare (0: off).
     """
 
     min_nodes: int = 1
@@ -96,6 +108,15 @@ class LaunchConfig:
     spare_policy: str = "restart"
     spare_wait_timeout: float = 300.0
     verify_every: int = 0
+    hang_timeout: float | None = None
+    straggler_factor: float = 2.0
+    straggler_window: float = 60.0
+
+    def hang_timeout_for(self, resilient: bool) -> float:
+        """The hang timeout in force (0: off): given, or the mode's default."""
+        if self.hang_timeout is not None:
+            return self.hang_timeout
+        return DEFAULT_HANG_TIMEOUT if resilient else 0.0
 
 
 def parse_nnodes(value: str) -> tuple[int, int]:

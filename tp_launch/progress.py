@@ -45,12 +45,15 @@ from __future__ import annotations
 import enum
 import mmap
 import os
+import signal
 import struct
 from dataclasses import dataclass
 
 BOARD_SLOTS = 4096
 # How often a worker's heartbeat thread writes its time and collective position.
 BEAT_S = 0.05
+# Asks a worker for its Python stack (faulthandler writes it to stack_path()).
+STACK_SIGNAL = signal.SIGUSR2
 
 # step, commit_t, beat_t, gen, stage, seq, step_s, long_until
 _RECORD = struct.Struct("qddqqqdd")
@@ -58,6 +61,11 @@ _OFF_STEP, _OFF_COMMIT, _OFF_BEAT, _OFF_GEN, _OFF_STAGE, _OFF_SEQ, _OFF_STEP_S, 
     range(0, 64, 8)
 _Q = struct.Struct("q")
 _D = struct.Struct("d")
+
+
+def stack_path(board: str, slot: int) -> str:
+    """Where the process in ``slot`` writes its stack when asked (:data:`STACK_SIGNAL`)."""
+    return f"{board}.slot{slot}.stack"
 
 
 class Stage(enum.IntEnum):

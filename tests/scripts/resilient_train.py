@@ -11,6 +11,14 @@ itself. ``--crash-step S``: every rank raises at step S, every time (a script bu
 ``$OUT/release``, so a test can act while the job is mid-run. ``--sabotage``: a
 registered object that SIGKILLs its process while the state is moved (``donor``: when a
 donor snapshots it; ``newcomer``: when a newcomer loads it), once.
+``--hang RANK:STEP:WHERE:HOW``: the rank hangs there once per job, HOW = ``stop`` (SIGSTOP
+to itself: a stopped process) or ``deadlock`` (its main thread blocks for good, as in a
+deadlocked data loader; WHERE ``loader`` fetches the batch); the time is written to
+``$OUT/hang_t``. WHERE also takes ``optimizer`` (inside ``optimizer.step()``).
+``--slow RANK:SECONDS``: the rank's first process (not a spare that takes it later)
+sleeps that long in every step (a throttled GPU). ``--eval-every N --eval-s S``: after
+every N steps rank 0 alone evaluates for S seconds (no collective; ``--eval-marked``:
+inside ``state.long_phase()``).
 ``--rank-at-import``: read RANK at import, as many scripts do (a spare, which has no
 RANK, fails there). ``--spare-dies-parked``: a spare SIGKILLs itself as soon as the agent
 counts a parked spare (it parks, then dies, every time).
@@ -23,6 +31,7 @@ same training runs as a plain torchrun script (the reference run).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import hashlib
 import inspect
@@ -52,12 +61,19 @@ p.add_argument("--parked", type=int, default=1, help="spares that must be parked
 p.add_argument("--hold-at", type=int, default=-1,
                help="after this step, each rank writes $OUT/held_<rank> and waits for $OUT/release")
 p.add_argument("--rank-at-import", action="store_true")
+p.add_argument("--hang", default="")
+p.add_argument("--slow", default="")
+p.add_argument("--eval-every", type=int, default=0)
+p.add_argument("--eval-s", type=float, default=0.0)
+p.add_argument("--eval-marked", action="store_true")
 p.add_argument("--spare-dies-parked", action="store_true")
 args = p.parse_args()
 if args.rank_at_import:
     RANK_AT_IMPORT = int(os.environ["RANK"])
 OUT = os.environ["OUT"]
 KILLS = [tuple(k.split(":")) for k in args.kill.split(",") if k]
+HANG = tuple(args.hang.split(":")) if args.hang else None
+SLOW = (int(args.slow.split(":")[0]), float(args.slow.split(":")[1])) if args.slow else None
 
 
 def once(name: str) -> bool:
@@ -93,7 +109,24 @@ def together(step: int, where: str) -> None:
         time.sleep(0.01)
 
 
+def maybe_hang(where: str, step: int) -> None:
+    if HANG is None:
+        return
+    r, s, w, how = HANG
+    if int(r) == dist.get_rank() and int(s) == step and w == where:
+        with STATE[0].long_phase(120):  # waiting for the spare is not the hang
+            wait_parked(args.parked)
+        if once("hang"):
+            with open(os.path.join(OUT, "hang_t"), "w") as f:
+                f.write(repr(time.time()))
+            if how == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            else:
+                threading.Event().wait()  # never set: blocked for good, the GIL released
+
+
 def maybe_kill(where: str, step: int) -> None:
+    maybe_hang(where, step)
     rank = dist.get_rank()
     for r, s, w in KILLS:
         if int(r) == rank and int(s) == step and w == where:
@@ -104,6 +137,7 @@ def maybe_kill(where: str, step: int) -> None:
 
 
 TRAINING = threading.Event()  # set once train() runs here (a promoted spare included)
+STATE: list = [contextlib.nullcontext]  # the resilient state, once train() runs
 
 
 def die_when_parked() -> None:
@@ -154,6 +188,8 @@ DEVICE = torch.device(args.device, torch.cuda.current_device()) if args.device =
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, args.width), nn.Tanh(), nn.Linear(args.width, 1)).to(DEVICE)
 opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+opt.register_step_post_hook(lambda *_: maybe_hang("optimizer", current[0]))
+SLOW_HERE = SLOW is not None and os.environ.get("TP_RUN_SPARE") != "1"
 saboteur = Saboteur()
 current = [0]  # the step in flight, for the hooks
 model.register_forward_pre_hook(lambda *_: maybe_kill("forward", current[0]))
@@ -169,6 +205,7 @@ def checksum(m: nn.Module) -> str:
 
 def train(state) -> str:
     TRAINING.set()
+    STATE[0] = state
     saboteur.entered += 1
     rank, world = dist.get_rank(), dist.get_world_size()
     with open(os.path.join(OUT, f"entry_{os.getpid()}"), "a") as f:
@@ -185,7 +222,10 @@ def train(state) -> str:
         if step == args.crash_step:
             wait_parked(args.parked)  # a bug, not a lack of spares, must stop the job
             raise ValueError(f"deliberate bug at step {step}")
+        maybe_hang("loader", step)
         x, y = batch(step, rank)
+        if SLOW_HERE and rank == SLOW[0]:
+            time.sleep(SLOW[1])
         loss = nn.functional.mse_loss(ddp(x), y)
         opt.zero_grad()
         loss.backward()
@@ -197,7 +237,16 @@ def train(state) -> str:
                 time.sleep(0.05)
         if args.step_sleep:
             time.sleep(args.step_sleep)
+        if args.eval_every and (step + 1) % args.eval_every == 0 and rank == 0:
+            evaluate(state)
     return checksum(model)
+
+
+def evaluate(state) -> None:
+    """Rank 0 alone, no collective: the others wait for it in the next step."""
+    marked = args.eval_marked and hasattr(state, "long_phase")
+    with state.long_phase(60) if marked else contextlib.nullcontext():
+        time.sleep(args.eval_s)
 
 
 def steps(state):  # the resilient loop, or a plain range for the reference run

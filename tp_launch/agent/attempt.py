@@ -21,6 +21,7 @@ from tp_launch.agent.control import CrashLoop, Generation, World
 from tp_launch.agent.control_server import Conn, ControlServer
 from tp_launch.agent.failures import ProcessFailure
 from tp_launch.agent.generations import Generations
+from tp_launch.agent.hangs import ProgressClock, Stragglers
 from tp_launch.agent.recovery_report import Recovery
 from tp_launch.control_files import AgentStatus
 from tp_launch.procs.logs import AttemptLogs, ConsoleTail, RankLogs, SpareOutput
@@ -82,6 +83,9 @@ class Attempt:
     first_failure: ProcessFailure | None = None
     last_view: float = 0.0  # monotonic: the last read of the job's state
     holders: set[int] = field(default_factory=set)  # ranks whose process holds the state
+    clock: ProgressClock = field(default_factory=ProgressClock)  # the job's progress here
+    stragglers: Stragglers = field(default_factory=Stragglers)
+    hung: dict[int, str] = field(default_factory=dict)  # rank -> why it was killed as hung
     origin: dict[int, int] = field(default_factory=dict)  # rank -> slot of its last holder
 
     def slot_rank(self, slot: int) -> int | None:
@@ -116,8 +120,11 @@ class Attempt:
         """This node's record of ``rank``'s dead process, for the recovery report."""
         slot = self.world.slot_of[rank]
         old = self.procs[slot].worker
-        return {"rank": rank, "slot": slot, "pid": old.pid, "exitcode": old.returncode,
-                "step": self.board.read(slot)}
+        record: dict[str, Any] = {"rank": rank, "slot": slot, "pid": old.pid,
+                                  "exitcode": old.returncode, "step": self.board.read(slot)}
+        if rank in self.hung:
+            record["hang"] = self.hung[rank]
+        return record
 
     def status(self, run_id: str) -> AgentStatus:
         """The status file's contents (for ``tp-run migrate``, ``parked_spares()``)."""

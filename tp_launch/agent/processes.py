@@ -13,12 +13,13 @@ whether the script opted in, the backoff, and whether "spares unused" was said.
 from __future__ import annotations
 
 import logging
+import os
 import selectors
 import signal
 import subprocess
 import time
 
-from tp_launch import channel
+from tp_launch import channel, progress
 from tp_launch.agent.attempt import Attempt, Proc
 from tp_launch.agent.control import SpareRestarts
 from tp_launch.agent.failures import exit_description
@@ -145,6 +146,41 @@ class Processes:
         stop_workers(self.workers, signal.SIGTERM, self.config.shutdown_timeout,
                      level=logging.INFO)
 
+    def stack_of(self, at: Attempt, slot: int, kill: bool) -> str:
+        """The Python stack of the process in ``slot`` (every thread; "" if it could not
+        be had), then SIGKILL it if ``kill``. The process writes it itself
+        (:mod:`tp_launch.resilient.heartbeat`): asked with SIGUSR2, continued with
+        SIGCONT in case it is stopped, given up to :data:`_STACK_WAIT_S`."""
+        pid = at.procs[slot].worker.pid
+        path = progress.stack_path(at.board.path, slot)
+        start = _size(path)
+        try:
+            os.kill(pid, progress.STACK_SIGNAL)
+            os.kill(pid, signal.SIGCONT)
+            # The process runs again meanwhile: kill it as soon as the stack is out.
+            deadline, last = time.monotonic() + _STACK_WAIT_S, -1
+            while time.monotonic() < deadline:
+                time.sleep(0.01)
+                size = _size(path)
+                if size > start and size == last:
+                    break  # written, and no longer growing
+                last = size
+        except ProcessLookupError:
+            return ""
+        finally:
+            if kill:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return ""
+        with os.fdopen(fd, "rb") as f:
+            f.seek(start)
+            return f.read(_STACK_MAX).decode("utf-8", "replace").rstrip()
+
 
 def _spare_error(output: SpareOutput | None) -> str:
     """What a spare that died wrote last to stderr (its error, for a crash)."""
@@ -153,3 +189,14 @@ def _spare_error(output: SpareOutput | None) -> str:
     output.join(1.0)  # the exit is seen before the pipe is drained
     line = output.last_line()[:300] or "no output"
     return f"{line} (log: {output.stderr_path})" if output.stderr_path else line
+
+# How long a process gets to write its stack; how much of it is logged.
+_STACK_WAIT_S = 2.0
+_STACK_MAX = 32 * 1024
+
+
+def _size(path: str) -> int:
+    try:
+        return os.stat(path, follow_symlinks=False).st_size
+    except OSError:
+        return 0

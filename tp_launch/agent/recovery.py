@@ -104,6 +104,8 @@ class Recoverer:
                 failed = [at.failed_record(r) if r in local else {"rank": r, "node": n}
                           for r, n in sorted(lost.items())]
                 reason = "failure" if local else "node loss"
+                if local and set(local) <= set(at.hung):
+                    reason = "hang"
                 new = Generation(g.gen + 1, ranks, at.gens.store, sorted(lost), reason)
                 published = at.gens.publish(new)
         except KVUnavailable as e:
@@ -206,6 +208,9 @@ class Recoverer:
                                   key=lambda p: p["rank"])
         for rank, slot in placed.promoted.items():
             self.processes.show_as_rank(at, slot, rank)
+            at.hung.pop(rank, None)
+        at.clock.reset(time.monotonic())
+        at.stragglers.reset()
         at.recovery = rec
         at.finished.clear()
         for rank in [*placed.promoted, *placed.unplaced]:
@@ -233,7 +238,7 @@ class Recoverer:
                                              "pid": at.procs[slot].worker.pid})
             at.tell(slot, at.generation_msg(rank, from_slot=at.origin.get(rank)))
 
-    def migrate(self, rank: int) -> str:
+    def migrate(self, rank: int, evidence: str = "") -> str:
         at = self.attempt
         world, g = at.world, at.gen
         if rank not in world.slot_of:
@@ -252,6 +257,8 @@ class Recoverer:
         except KVError as e:
             return f"error: the rendezvous backend cannot publish the migration: {e}"
         self.apply(new, time.time(), [{"rank": rank, "slot": world.slot_of[rank], "pid": old}])
+        if at.recovery is not None:
+            at.recovery.evidence = evidence
         pid = at.procs[world.slot_of[rank]].worker.pid
         logger.warning("migrating rank %s from pid %s to pid %s at step %s", rank, old, pid,
                        boundary)

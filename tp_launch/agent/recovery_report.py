@@ -37,6 +37,7 @@ class Recovery:
     promoted: list[dict[str, Any]] = field(default_factory=list)
     resumed: dict[int, channel.Resumed] = field(default_factory=dict)
     stepped: dict[int, float] = field(default_factory=dict)  # rank -> its first step's time
+    evidence: str = ""  # why a migration was decided by the agent (a straggler)
 
     def stepped_by_all(self, ranks: Iterable[int]) -> bool:
         """Every one of ``ranks`` took its first step in the generation."""
@@ -78,6 +79,8 @@ def recovery_report(rec: Recovery, ranks_here: int) -> tuple[dict[str, Any], str
         "total_s": None if first_step is None else first_step - rec.detected,
         "complete": len(rec.resumed) == ranks_here,
     }
+    if rec.evidence:
+        event["evidence"] = rec.evidence
     rate = sent / transfer_s / 1e6 if transfer_s else 0.0
     line = (f"tp-run: {rec.reason}: rank(s) {failed_ranks} -> spare pid(s) "
             f"{[p['pid'] for p in rec.promoted]} at step {step}; resumed in "

@@ -71,10 +71,13 @@ from __future__ import annotations
 import logging
 import selectors
 import signal
+import sys
 import time
 
 from rendezvous import RendezvousHandler, RendezvousInfo, api
+from rendezvous.membership import CHANGE_FAILURE, WorldChange
 from tp_launch import channel
+from tp_launch.agent import hangs
 from tp_launch.agent.attempt import Attempt, Proc
 from tp_launch.agent.control import World
 from tp_launch.agent.control_server import Conn, ControlServer
@@ -107,6 +110,7 @@ class ResilientAgent(NodeAgent):
         self._no_restart = False
         self.processes = Processes(config, self.layout, self.workers)
         self.attempt: Attempt  # the attempt in progress, or the last one
+        self.hang_policy = hangs.HangPolicy(config.hang_timeout_for(resilient=True))
         self.recoverer: Recoverer  # the attempt's decisions
 
     def run(self, watch: SignalWatch) -> int:
@@ -159,6 +163,8 @@ class ResilientAgent(NodeAgent):
             next_slot=cfg.nproc_per_node if mine else 0,
             spares_wanted=self.processes.opted_in or not mine)
         at = self.attempt
+        at.clock.reset(time.monotonic())
+        at.stragglers = hangs.Stragglers(cfg.straggler_factor, cfg.straggler_window)
         self.recoverer = Recoverer(cfg, at, self.processes, self.layout, self.rdzv.run_id)
         try:
             for local, rank in enumerate(mine):
@@ -260,6 +266,7 @@ class ResilientAgent(NodeAgent):
             if at.waiting and time.monotonic() > at.wait_deadline:
                 raise StopJob(self.recoverer.failure_result(), final=True)
             self.processes.spawn_missing(at)  # a spare whose backoff delay is over
+            self._watch()
             ranks_alive = [s for s in at.world.slot_of.values() if at.alive(s)]
             if not ranks_alive and not at.waiting and not at.unplaced and \
                     not at.deferred and \
@@ -301,8 +308,10 @@ class ResilientAgent(NodeAgent):
         blame_backend = at.gens.outage_s() > 0 or \
             time.monotonic() - at.outage_seen < _RANK_WAIT_S + 5
         for proc in failures:
-            logger.warning("rank %s (pid %s) failed with exit code %s; replacing it",
-                           at.slot_rank(proc.slot), proc.worker.pid, proc.worker.returncode)
+            if at.slot_rank(proc.slot) not in at.hung:
+                logger.warning("rank %s (pid %s) failed with exit code %s; replacing it",
+                               at.slot_rank(proc.slot), proc.worker.pid,
+                               proc.worker.returncode)
             f = at.as_failure(proc)
             if at.first_failure is None:
                 at.first_failure = f
@@ -323,3 +332,66 @@ class ResilientAgent(NodeAgent):
         if not self.attempt.exiting:  # else the job is ending: spares leave
             self.processes.spare_died(self.attempt, proc)
 
+    # ------------------------------------------------------------------ hangs
+
+    def _watch(self) -> None:
+        """Read the board: a hang (kill its culprit, or the policy) or a straggler
+        (migrate it). Not while the job waits for a reason of its own (a spare, the
+        backend, the end) or the script does not use the API."""
+        at = self.attempt
+        now = time.monotonic()
+        if not at.resilient or at.exiting or at.waiting or at.deferred or at.unplaced:
+            at.clock.reset(now)
+            at.stragglers.reset()
+            return
+        marks = {r: at.board.mark(s) for r, s in at.world.slot_of.items()
+                 if at.alive(s) and r not in at.hung}
+        if not marks:
+            return
+        idle = at.clock.observe(now, marks)
+        verdict = hangs.assess(self.hang_policy, now, marks, idle, at.clock.step_s,
+                               at.clock.committed)
+        if verdict is not None:
+            at.clock.reset(now)  # one verdict per limit
+            self._on_hang(verdict)
+            return
+        straggler = at.stragglers.observe(now, marks)
+        if straggler is not None:
+            logger.warning("straggler: %s; migrating it to a spare", straggler.evidence)
+            reply = self.recoverer.migrate(straggler.rank, evidence=straggler.evidence)
+            if not reply.startswith("ok"):
+                logger.warning("straggler: rank %s stays: %s", straggler.rank, reply)
+
+    def _on_hang(self, verdict: hangs.Verdict) -> None:
+        at = self.attempt
+        if verdict.kind == "culprit":
+            for rank in verdict.ranks:
+                slot = at.world.slot_of[rank]
+                pid = at.procs[slot].worker.pid
+                at.hung[rank] = verdict.why[rank]
+                stack = self.processes.stack_of(at, slot, kill=True)
+                logger.error("hang: no progress for %.1f s (limit %.1f s): rank %s (pid %s) "
+                             "holds the job up: %s; killed it, a spare takes its rank. "
+                             "Its stack:\n%s", verdict.idle_s, verdict.limit_s, rank, pid,
+                             verdict.why[rank], stack or "(not available)")
+            return
+        where = "; ".join(f"rank {r}: {verdict.why[r]}" for r in verdict.ranks)
+        if self.config.max_nodes > 1:
+            # The rank that holds these up may be on another node: its agent decides.
+            logger.warning("no progress for %.0f s and no rank of this node behind another "
+                           "(%s)", verdict.idle_s, where)
+            return
+        for rank in verdict.ranks:
+            stack = self.processes.stack_of(at, at.world.slot_of[rank], kill=False)
+            logger.error("hang: rank %s's stack:\n%s", rank, stack or "(not available)")
+        policy = self.config.spare_policy
+        restart = policy == "restart"
+        detail = (f"hang on every rank: no progress for {verdict.idle_s:.0f} s and no rank "
+                  f"behind another ({where})")
+        print(f"tp-run: error: {detail}; " + ("restarting every worker (--spare-policy "
+              "restart)" if restart else f"stopping (--spare-policy {policy})"),
+              file=sys.stderr, flush=True)
+        at.gens.report_failure(detail, final=not restart)
+        stop_workers(self.workers, signal.SIGTERM, self.config.shutdown_timeout)
+        raise StopJob(AttemptResult(change=WorldChange(CHANGE_FAILURE, detail)),
+                      final=not restart)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import faulthandler
 import logging
 import os
-import signal
 import threading
 import time
 from typing import IO
@@ -34,12 +33,6 @@ from tp_launch.resilient import group
 
 logger = logging.getLogger(__name__)
 
-STACK_SIGNAL = signal.SIGUSR2
-
-
-def stack_path(board: str, slot: int) -> str:
-    """Where the process in ``slot`` writes its stack when asked (agent and worker)."""
-    return f"{board}.slot{slot}.stack"
 
 
 class Heartbeat:
@@ -50,11 +43,11 @@ class Heartbeat:
         self.slot = slot
         self._stack: IO[str] | None = None
         try:
-            fd = os.open(stack_path(board.path, slot),
+            fd = os.open(progress.stack_path(board.path, slot),
                          os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                          0o600)
             self._stack = os.fdopen(fd, "w")
-            faulthandler.register(STACK_SIGNAL, file=self._stack, all_threads=True)
+            faulthandler.register(progress.STACK_SIGNAL, file=self._stack, all_threads=True)
         except (OSError, RuntimeError, ValueError) as e:
             logger.warning("this process cannot write its stack when asked: %s", e)
         threading.Thread(target=self._beat, name="tp-heartbeat", daemon=True).start()
