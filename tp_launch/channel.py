@@ -206,7 +206,9 @@ def _from_doc(hint: Any, value: Any, name: str) -> Any:
     """A decoded JSON value as the field's Python value: a nested record built, a list
     made a tuple (its items likewise); the field's own check comes after."""
     item = _tuple_item(hint)
-    if item is not None and isinstance(value, list):
+    if item is not None:
+        if not isinstance(value, list):
+            return value  # refused by the field's check
         return tuple(_from_doc(item, v, f"{name}[{i}]") for i, v in enumerate(value))
     nested = _record_type(hint)
     if nested is not None and isinstance(value, dict):

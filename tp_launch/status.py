@@ -38,7 +38,8 @@ MULTI_NODE_ERROR = "tp-run status across nodes: not yet; run it on each node"
 
 def to_document(reply: channel.StatusReply) -> dict[str, Any]:
     """The ``--json`` document: the reply's fields (lists as lists), without ``op``."""
-    return asdict(reply)
+    doc: dict[str, Any] = json.loads(json.dumps(asdict(reply)))
+    return doc
 
 
 def _ms(seconds: float | None) -> str:
