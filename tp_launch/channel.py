@@ -211,7 +211,7 @@ def _from_doc(hint: Any, value: Any, name: str) -> Any:
             return value  # refused by the field's check
         return tuple(_from_doc(item, v, f"{name}[{i}]") for i, v in enumerate(value))
     nested = _record_type(hint)
-    if nested is not None and isinstance(value, dict):
+    if nested is not None and value is not None:
         try:
             return nested._from_json(value)
         except ChannelError as e:
