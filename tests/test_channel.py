@@ -8,6 +8,15 @@ from tp_launch import channel
 from tp_launch.channel import ChannelError
 
 EXAMPLES: list[channel.Message] = [
+    channel.Status(),
+    channel.StatusReply(
+        run_id="job", node="host", agent_pid=42, gen=1, world_size=2, state="training",
+        ranks=(channel.RankStatus(rank=0, pid=7, slot=0, step=3, step_s=0.01, gen=1,
+                                  stage="training", commit_age_s=0.2, beat_age_s=None),),
+        ranks_total=2, parked=(channel.SpareStatus(slot=2, pid=9),), parked_total=1,
+        recoveries=(channel.RecoveryStatus(gen=1, reason="failure", failed_ranks=(1,),
+                                           promoted_pids=(8,), step=2),),
+        log_dir="/tmp/x"),
     channel.Hello(slot=0, pid=1234),
     channel.Resumed(gen=2, rank=1, step=40, handoff_s=0.0, group_s=0.25, agree_s=0.01,
                     transfer_s=0.5, bytes=1 << 20, donor=0, t=1.7e9, verify_s=0.02,

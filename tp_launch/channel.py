@@ -20,7 +20,8 @@ is part of the field's type: :data:`Count` >= 0, :data:`Positive` >= 1, :data:`S
 a :class:`ChannelError` (one line saying why), never a crash. A line longer than
 :data:`MAX_LINE` (:class:`LineReader`), not JSON, not an object, of an ``op`` the
 receiver does not accept, or with a field missing or out of type or range is refused;
-fields a decoder does not know are ignored. Both sides send only these types
+fields a decoder does not know are ignored. A list field is typed ``tuple[X, ...]`` (a JSON
+array of X). Both sides send only these types
 (:func:`send`).
 
 to the agent (:data:`TO_AGENT`)
@@ -40,6 +41,7 @@ to the agent (:data:`TO_AGENT`)
         states differ; ``usage``: the script's loop does not mark its iterations). The
         agent stops the job with that line (``state_lost``: ``--spare-policy``).
     :class:`Migrate` ``migrate`` {rank}: ``tp-run migrate`` asks for a planned migration.
+    :class:`Status` ``status`` {}: ``tp-run status`` asks what the agent's job does.
 to a worker (:data:`TO_WORKER`)
     :class:`NewGeneration` ``generation`` {gen, rank (None: not a rank), world_size,
         master_addr, master_port, reason, boundary (step at which to stop, planned
@@ -52,6 +54,15 @@ to a worker (:data:`TO_WORKER`)
         (``--spare-policy wait``): wait for the next generation without a limit.
     :class:`Reply` ``reply`` {message}: the answer to ``migrate`` ("ok: ..." or
         "error: ...").
+    :class:`StatusReply` ``status_reply``: the answer to ``status`` (to ``tp-run status``,
+        not a worker): {run_id, node, agent_pid, gen, world_size, state, ranks (this
+        node's: :class:`RankStatus` {rank, pid, slot, step, step_s, gen, stage,
+        commit_age_s, beat_age_s}), ranks_total, parked (:class:`SpareStatus` {slot,
+        pid}), parked_total, recoveries (the last few, oldest first:
+        :class:`RecoveryStatus` {gen, reason, failed_ranks, promoted_pids, step,
+        detected_at, total_s}), log_dir}. Lists are capped (:data:`STATUS_MAX_RANKS`,
+        :data:`STATUS_MAX_SPARES`, :data:`STATUS_MAX_RECOVERIES`), so the line stays well
+        under :data:`MAX_LINE`; the ``*_total`` counts say what was left out.
 
 The agent also shares a progress board with its processes (``TP_RUN_PROGRESS``,
 :mod:`tp_launch.progress`): each process's committed step, heartbeat and position in
@@ -140,6 +151,14 @@ def _check(hint: Any, value: Any, name: str) -> None:
             return
         (hint,) = [a for a in args if a is not type(None)]
     hint, low = _split(hint)
+    if typing.get_origin(hint) is tuple:
+        item, rest = typing.get_args(hint)
+        assert rest is Ellipsis, f"channel field {name}: only tuple[X, ...] is supported"
+        if type(value) is not tuple:
+            raise ChannelError(f"{name} must be a list, not {_show(value)}")
+        for i, v in enumerate(value):
+            _check(item, v, f"{name}[{i}]")
+        return
     if typing.get_origin(hint) is Literal:
         if type(value) is not str or value not in typing.get_args(hint):
             raise ChannelError(f"{name} must be one of {list(typing.get_args(hint))}, "
@@ -173,6 +192,33 @@ def _record_type(hint: Any) -> type[_Record] | None:
     return None
 
 
+def _tuple_item(hint: Any) -> Any:
+    """The item type of a ``tuple[X, ...]`` field (alone, bounded or | None); None if
+    the field is not a list."""
+    for t in (hint, *typing.get_args(hint)):
+        t = _split(t)[0]
+        if typing.get_origin(t) is tuple:
+            return typing.get_args(t)[0]
+    return None
+
+
+def _from_doc(hint: Any, value: Any, name: str) -> Any:
+    """A decoded JSON value as the field's Python value: a nested record built, a list
+    made a tuple (its items likewise); the field's own check comes after."""
+    item = _tuple_item(hint)
+    if item is not None:
+        if not isinstance(value, list):
+            return value  # refused by the field's check
+        return tuple(_from_doc(item, v, f"{name}[{i}]") for i, v in enumerate(value))
+    nested = _record_type(hint)
+    if nested is not None and value is not None:
+        try:
+            return nested._from_json(value)
+        except ChannelError as e:
+            raise ChannelError(f"{name}: {e}") from None
+    return value
+
+
 @dataclass(frozen=True)
 class _Record:
     """A record whose fields are checked (type and lower bound) when it is built."""
@@ -193,14 +239,7 @@ class _Record:
                 if f.default is MISSING:
                     raise ChannelError(f"{f.name} is missing")
                 continue
-            value = doc[f.name]
-            nested = _record_type(hints[f.name])
-            if nested is not None and value is not None:
-                try:
-                    value = nested._from_json(value)
-                except ChannelError as e:
-                    raise ChannelError(f"{f.name}: {e}") from None
-            values[f.name] = value
+            values[f.name] = _from_doc(hints[f.name], doc[f.name], f.name)
         return cls(**values)
 
 
@@ -273,6 +312,11 @@ class Migrate(Message):
     rank: Count
 
 
+@dataclass(frozen=True)
+class Status(Message):
+    op: ClassVar[str] = "status"
+
+
 # ---------------------------------------------------------------- to a worker
 
 
@@ -314,8 +358,68 @@ class Reply(Message):
     message: str
 
 
-TO_AGENT: tuple[type[Message], ...] = (Hello, Resumed, Stepped, Finished, Fatal, Migrate)
-TO_WORKER: tuple[type[Message], ...] = (NewGeneration, Exit, Recovering, Reply)
+# ---------------------------------------------------------------- to tp-run status
+
+STATUS_MAX_RANKS = 128
+STATUS_MAX_SPARES = 64
+STATUS_MAX_RECOVERIES = 5
+STATUS_MAX_LISTED = 16  # ranks or pids named by one recovery
+
+
+@dataclass(frozen=True)
+class RankStatus(_Record):
+    """One rank of this node, from the progress board (ages: seconds, None: never)."""
+
+    rank: Count
+    pid: int
+    slot: Count
+    step: int  # the last committed step, -1: none yet
+    step_s: Seconds  # the last committed iteration's duration (0: first of its generation)
+    gen: int  # the generation the process is in (-1: not yet)
+    stage: str  # progress.Stage, lower case
+    commit_age_s: Seconds | None = None
+    beat_age_s: Seconds | None = None
+
+
+@dataclass(frozen=True)
+class SpareStatus(_Record):
+    slot: Count
+    pid: int
+
+
+@dataclass(frozen=True)
+class RecoveryStatus(_Record):
+    """One recovery of ``recovery.jsonl`` (``total_s`` None: not reported yet)."""
+
+    gen: int
+    reason: str
+    failed_ranks: tuple[int, ...]
+    promoted_pids: tuple[int, ...]
+    step: int | None = None
+    detected_at: float | None = None
+    total_s: float | None = None
+
+
+@dataclass(frozen=True)
+class StatusReply(Message):
+    op: ClassVar[str] = "status_reply"
+    run_id: str
+    node: str
+    agent_pid: Positive
+    gen: int
+    world_size: Count
+    state: str  # training, recovering, waiting for a spare, exiting
+    ranks: tuple[RankStatus, ...]
+    ranks_total: Count
+    parked: tuple[SpareStatus, ...]
+    parked_total: Count
+    recoveries: tuple[RecoveryStatus, ...] = ()
+    log_dir: str = ""
+
+
+TO_AGENT: tuple[type[Message], ...] = (Hello, Resumed, Stepped, Finished, Fatal, Migrate,
+                                       Status)
+TO_WORKER: tuple[type[Message], ...] = (NewGeneration, Exit, Recovering, Reply, StatusReply)
 
 
 # ---------------------------------------------------------------- framing

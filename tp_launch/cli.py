@@ -335,6 +335,11 @@ def main(argv: list[str] | None = None) -> None:
         from tp_launch.migrate import main as migrate_main
 
         migrate_main(argv[1:])
+    if argv[:1] == ["status"] and not os.path.exists("status"):
+        # What a running job does (a training script named "status" wins).
+        from tp_launch.status import main as status_main
+
+        status_main(argv[1:])
     argv = expand_abbreviations(tp_run, argv)
     try:
         code = tp_run.main(args=argv, prog_name="tp-run", standalone_mode=False)

@@ -11,7 +11,9 @@ recomputed.
 
 Only the job's owner can do this: another user's jobs are not listed, an
 ``--agent-pid`` of another user's process is refused with an error, and the agent itself
-refuses connections from any other uid (``SO_PEERCRED``).
+refuses connections from any other uid (``SO_PEERCRED``). ``tp-run status``
+(:mod:`tp_launch.status`) finds and asks the agent the same way (:func:`pick_agent`,
+:func:`ask`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from typing import TypeVar
 
 import click
 
@@ -26,7 +29,7 @@ from tp_launch import channel
 from tp_launch.control_files import AgentStatus, find_agents
 
 
-def _check_owner(pid: int) -> None:
+def check_owner(pid: int, command: str = "tp-run migrate") -> None:
     """``--agent-pid``: refuse a process of another user, whoever asks (root too)."""
     try:
         owner = os.stat(f"/proc/{pid}").st_uid
@@ -34,11 +37,34 @@ def _check_owner(pid: int) -> None:
         return  # no such process: "no running agent" says it
     if owner != os.getuid():
         raise click.ClickException(f"pid {pid} belongs to uid {owner}, not to you (uid "
-                                   f"{os.getuid()}): tp-run migrate acts only on your own jobs")
+                                   f"{os.getuid()}): {command} acts only on your own jobs")
 
 
-def _ask(agent: AgentStatus, request: channel.Migrate) -> str:
-    """Send ``request`` to the agent; its reply's message."""
+def pick_agent(run_id: str | None, agent_pid: int | None,
+               command: str = "tp-run migrate") -> AgentStatus:
+    """The one running agent of the caller's that ``--run-id``/``--agent-pid`` name (or
+    the only one); a ClickException (one line) when there is none or several."""
+    if agent_pid is not None:
+        check_owner(agent_pid, command)
+    agents = [a for a in find_agents()
+              if (run_id is None or a.run_id == run_id)
+              and (agent_pid is None or a.pid == agent_pid)]
+    if not agents:
+        raise click.ClickException("no running tp-run agent with --spares found"
+                                   + (" for that job" if run_id or agent_pid else "")
+                                   + " among your own jobs")
+    if len(agents) > 1:
+        listing = ", ".join(f"pid {a.pid} (run id {a.run_id})" for a in agents)
+        raise click.ClickException(f"several tp-run agents run ({listing}): name one "
+                                   "with --run-id or --agent-pid")
+    return agents[0]
+
+
+_M = TypeVar("_M", bound=channel.Message)
+
+
+def ask(agent: AgentStatus, request: channel.Message, answer: type[_M]) -> _M:
+    """Send ``request`` to the agent; its answer, of type ``answer``."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(30)
     try:
@@ -52,11 +78,12 @@ def _ask(agent: AgentStatus, request: channel.Migrate) -> str:
         while True:
             data = sock.recv(65536)
             if not data:
-                raise click.ClickException("the agent closed the connection")
+                raise click.ClickException("the agent closed the connection (an agent "
+                                           "older than this command, or one ending)")
             for line in reader.lines(data):
-                reply = channel.decode(line, (channel.Reply,))
-                assert isinstance(reply, channel.Reply)
-                return reply.message
+                reply = channel.decode(line, (answer,))
+                assert isinstance(reply, answer)
+                return reply
     except channel.ChannelError as e:
         raise click.ClickException(f"bad reply from the agent: {e}") from None
     except OSError as e:
@@ -71,20 +98,7 @@ def _ask(agent: AgentStatus, request: channel.Migrate) -> str:
 @click.option("--agent-pid", type=int, default=None, help="The tp-run agent's pid.")
 def migrate(rank: int, run_id: str | None, agent_pid: int | None) -> None:
     """Move RANK of a running resilient job to a parked spare at the next step boundary."""
-    if agent_pid is not None:
-        _check_owner(agent_pid)
-    agents = [a for a in find_agents()
-              if (run_id is None or a.run_id == run_id)
-              and (agent_pid is None or a.pid == agent_pid)]
-    if not agents:
-        raise click.ClickException("no running tp-run agent with --spares found"
-                                   + (" for that job" if run_id or agent_pid else "")
-                                   + " among your own jobs")
-    if len(agents) > 1:
-        listing = ", ".join(f"pid {a.pid} (run id {a.run_id})" for a in agents)
-        raise click.ClickException(f"several tp-run agents run ({listing}): name one "
-                                   "with --run-id or --agent-pid")
-    message = _ask(agents[0], channel.Migrate(rank))
+    message = ask(pick_agent(run_id, agent_pid), channel.Migrate(rank), channel.Reply).message
     click.echo(f"tp-run migrate: {message}")
     sys.exit(0 if message.startswith("ok") else 1)
 

@@ -28,7 +28,9 @@ One attempt, on top of the compatible agent (:mod:`tp_launch.agent.node_agent`):
    of it): the agents tell their ranks and spares to exit; exit 0.
 
 A planned migration (``tp-run migrate --rank R``, through the control socket) is the same
-generation change with a boundary step and a handoff from R to the spare.
+generation change with a boundary step and a handoff from R to the spare. ``tp-run
+status`` asks through the same socket and gets this node's ranks, spares and last
+recoveries (:mod:`tp_launch.agent.status`).
 
 This module is the agent's loop: it watches the processes' pidfds, the channel and the
 job's state and hands what it sees to the attempt's decisions
@@ -85,6 +87,7 @@ from tp_launch.agent.generations import open_generations, shared_membership
 from tp_launch.agent.node_agent import AttemptResult, NodeAgent, SignalReceived, SignalWatch
 from tp_launch.agent.processes import Processes
 from tp_launch.agent.recovery import Recoverer, StopJob
+from tp_launch.agent.status import status_reply
 from tp_launch.config import ConfigError, LaunchConfig
 from tp_launch.procs.logs import ConsoleTail, LogLayout
 from tp_launch.procs.worker import stop_workers
@@ -236,6 +239,8 @@ class ResilientAgent(NodeAgent):
             self.recoverer.fatal(msg)
         elif isinstance(msg, channel.Migrate):
             return channel.Reply(self.recoverer.migrate(msg.rank))
+        elif isinstance(msg, channel.Status):
+            return status_reply(at, self.rdzv.run_id, self.layout.run_dir)
         return None
 
     # ------------------------------------------------------------------ monitoring

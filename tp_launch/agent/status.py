@@ -1,0 +1,151 @@
+"""The agent's answer to ``tp-run status``: what this node's part of the job does now.
+
+:func:`status_reply` reads, without changing anything, the attempt's state
+(:class:`~tp_launch.agent.attempt.Attempt`): for each rank of this node its process
+(pid, slot) and its progress board record (:mod:`tp_launch.progress`: committed step,
+the last iteration's duration, how long ago it committed and beat, its generation and
+stage); the parked spares (longest parked first); the attempt's state (training, a
+recovery in progress, waiting for a spare, exiting); and the last recoveries, from the
+tail of ``<run log dir>/recovery.jsonl`` (:mod:`tp_launch.agent.recovery_report`), the
+newest one still in progress included. It is asked rarely (a person, a script polling
+every few seconds), so reading the file's last kilobytes each time is cheap; a file
+that cannot be read, or a line that is not a valid event, is left out, never an error.
+Lists are capped (:data:`tp_launch.channel.STATUS_MAX_RANKS` and the others) so the
+reply stays one channel line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+from tp_launch import channel, progress
+from tp_launch.agent.attempt import Attempt
+from tp_launch.agent.recovery_report import Recovery
+
+RECOVERY_FILE = "recovery.jsonl"
+# The tail of recovery.jsonl read for the last recoveries (an event is about 1 KiB).
+_TAIL_BYTES = 64 * 1024
+
+
+def _age(now: float, t: float) -> float | None:
+    return None if t <= 0 else round(max(now - t, 0.0), 4)
+
+
+def _stage(value: int) -> str:
+    try:
+        return progress.Stage(value).name.lower()
+    except ValueError:
+        return str(value)  # a torn or hostile record: a number, shown as such
+
+
+def _rank_status(at: Attempt, rank: int, slot: int, now: float) -> channel.RankStatus:
+    mark = at.board.mark(slot)
+    proc = at.procs.get(slot)
+    step_s = mark.step_s if mark.step_s == mark.step_s and 0 <= mark.step_s < 1e12 else 0.0
+    return channel.RankStatus(
+        rank=rank, pid=proc.worker.pid if proc is not None else -1, slot=slot,
+        step=mark.step, step_s=round(step_s, 6), gen=mark.gen, stage=_stage(mark.stage),
+        commit_age_s=_age(now, mark.commit_t) if 0 <= mark.commit_t < 1e12 else None,
+        beat_age_s=_age(now, mark.beat_t) if 0 <= mark.beat_t < 1e12 else None)
+
+
+def _ints(values: Any) -> tuple[int, ...]:
+    if not isinstance(values, list):
+        return ()
+    return tuple(v for v in values if type(v) is int)[: channel.STATUS_MAX_LISTED]
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if type(value) in (int, float) and value == value \
+        and abs(value) < 1e15 else None
+
+
+def recovery_status(event: Any) -> channel.RecoveryStatus | None:
+    """One ``recovery.jsonl`` event as a status entry (None: not a valid event)."""
+    if not isinstance(event, dict) or event.get("event") != "recovery":
+        return None
+    gen = event.get("generation")
+    step = event.get("step")
+    if type(gen) is not int:
+        return None
+    promoted = event.get("promoted")
+    pids = [p.get("pid") for p in promoted if isinstance(p, dict)] \
+        if isinstance(promoted, list) else []
+    try:
+        return channel.RecoveryStatus(
+            gen=gen, reason=str(event.get("reason", ""))[:80],
+            failed_ranks=_ints(event.get("failed_ranks")), promoted_pids=_ints(pids),
+            step=step if type(step) is int else None,
+            detected_at=_number(event.get("detected_at")),
+            total_s=_number(event.get("total_s")))
+    except channel.ChannelError:
+        return None
+
+
+def _in_progress(rec: Recovery) -> channel.RecoveryStatus:
+    return channel.RecoveryStatus(
+        gen=rec.gen, reason=rec.reason[:80],
+        failed_ranks=_ints([f.get("rank") for f in rec.failed]),
+        promoted_pids=_ints([p.get("pid") for p in rec.promoted]),
+        step=None, detected_at=_number(rec.detected), total_s=None)
+
+
+def read_recoveries(run_dir: str, limit: int = channel.STATUS_MAX_RECOVERIES
+                    ) -> list[channel.RecoveryStatus]:
+    """The last ``limit`` recoveries of ``<run_dir>/recovery.jsonl``, oldest first."""
+    if run_dir == os.devnull:
+        return []
+    try:
+        with open(os.path.join(run_dir, RECOVERY_FILE), "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(size - _TAIL_BYTES, 0))
+            lines = f.read(_TAIL_BYTES).splitlines()
+            if size > _TAIL_BYTES:
+                lines = lines[1:]  # cut in the middle
+    except OSError:
+        return []
+    found = []
+    for line in lines:
+        try:
+            entry = recovery_status(json.loads(line))
+        except (ValueError, RecursionError):
+            continue
+        if entry is not None:
+            found.append(entry)
+    return found[-limit:] if limit > 0 else []
+
+
+def _state(at: Attempt) -> str:
+    if at.exiting:
+        return "exiting"
+    if at.waiting or at.unplaced:
+        return "waiting for a spare"
+    if at.deferred:
+        return "recovery deferred (backend unreachable)"
+    if at.recovery is not None:
+        return "recovering"
+    return "training" if at.resilient else "starting"
+
+
+def status_reply(at: Attempt, run_id: str, run_dir: str) -> channel.StatusReply:
+    """The answer to ``status``: this node's ranks, parked spares and last recoveries."""
+    now = time.monotonic()
+    ranks = sorted(at.world.slot_of.items())
+    spares = [channel.SpareStatus(slot=s, pid=at.procs[s].worker.pid)
+              for s in at.world.parked if s in at.procs]
+    recoveries = read_recoveries(run_dir)
+    if at.recovery is not None:
+        recoveries = [*recoveries, _in_progress(at.recovery)]
+    recoveries = recoveries[-channel.STATUS_MAX_RECOVERIES:]
+    return channel.StatusReply(
+        run_id=run_id[:200], node=at.world.node[:200], agent_pid=os.getpid(),
+        gen=at.world.gen, world_size=at.gen.world_size, state=_state(at),
+        ranks=tuple(_rank_status(at, r, s, now)
+                    for r, s in ranks[: channel.STATUS_MAX_RANKS]),
+        ranks_total=len(ranks), parked=tuple(spares[: channel.STATUS_MAX_SPARES]),
+        parked_total=len(spares), recoveries=tuple(recoveries),
+        log_dir="" if run_dir == os.devnull else run_dir[:1000])
