@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.conftest import TORCHRUN
+from tests.conftest import TORCHRUN, TP_RUN, run_launcher
 from tests.test_resilient import (  # noqa: F401 (reference is a fixture)
     STEPS,
     check_completed,
@@ -113,3 +113,37 @@ def test_straggler_migrates_to_a_spare(workdir, test_env, reference):
     assert "rank 1 was the last to reach the collectives" in event["evidence"]
     assert "straggler: rank 1" in proc.stderr
     print(f"\nstraggler job: {time.monotonic() - t0:.1f} s; {event['evidence']}")
+
+
+def test_plain_script_hang_restarts_its_workers(workdir, test_env):
+    """A script without the API: no worker writes anything for --hang-timeout: every
+    worker is ended with its stack (PYTHONFAULTHANDLER + SIGABRT) and restarted,
+    torchrun's way, long before torch's own watchdog would act."""
+    dump = workdir / "dump"
+    dump.mkdir()
+    t0 = time.monotonic()
+    proc = run_launcher(TP_RUN, ["--nproc-per-node", "2", "--max-restarts", "1",
+                                 "--hang-timeout", "5",
+                                 "--log-dir", str(workdir / "logs"), "--tee", "3",
+                                 "scripts/plain_hang.py"],
+                        {**test_env, "DUMP_DIR": str(dump)}, workdir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in dump.iterdir()) == ["done_1_0", "done_1_1"]
+    assert "hang: no worker wrote anything for" in proc.stderr
+    assert "Fatal Python error: Aborted" in proc.stderr and "in <module>" in proc.stderr
+    print(f"\nplain script hang -> restarted and finished: {time.monotonic() - t0:.1f} s")
+
+
+@pytest.mark.slow
+def test_newcomer_hung_in_the_transfer_is_replaced_too(workdir, test_env, reference):
+    """A rank dies; the spare that takes its rank stops in the middle of receiving the
+    state: the survivors' wait in the transfer ends in a decision (the stopped newcomer
+    is the culprit), the second spare takes the rank, the result is exact."""
+    log_dir = workdir / "logs"
+    proc, out = launch(workdir, test_env, ["--nproc-per-node", "4", "--spares", "2",
+                                           "--log-dir", str(log_dir), *HANG],
+                       ["--kill", "3:8:forward", "--sabotage", "newcomer-stop",
+                        "--parked", "2"])
+    check_completed(proc, out, reference, {3})
+    assert "holds the job up: no heartbeat" in proc.stderr
+    assert recoveries(log_dir)[-1]["complete"]

@@ -10,7 +10,8 @@ itself. ``--crash-step S``: every rank raises at step S, every time (a script bu
 ``--parked`` spares are parked. ``--hold-at S``: after step S each rank (once) waits for
 ``$OUT/release``, so a test can act while the job is mid-run. ``--sabotage``: a
 registered object that SIGKILLs its process while the state is moved (``donor``: when a
-donor snapshots it; ``newcomer``: when a newcomer loads it), once.
+donor snapshots it; ``newcomer``: when a newcomer loads it; ``newcomer-stop``: the
+newcomer SIGSTOPs itself there instead), once.
 ``--hang RANK:STEP:WHERE:HOW``: the rank hangs there once per job, HOW = ``stop`` (SIGSTOP
 to itself: a stopped process) or ``deadlock`` (its main thread blocks for good, as in a
 deadlocked data loader; WHERE ``loader`` fetches the batch); the time is written to
@@ -52,7 +53,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=20)
 p.add_argument("--kill", default="")
 p.add_argument("--crash-step", type=int, default=-1)
-p.add_argument("--sabotage", default="", choices=["", "donor", "newcomer"])
+p.add_argument("--sabotage", default="", choices=["", "donor", "newcomer", "newcomer-stop"])
 p.add_argument("--step-sleep", type=float, default=0.0)
 p.add_argument("--width", type=int, default=32)
 p.add_argument("--no-resilient", action="store_true")
@@ -94,8 +95,11 @@ def wait_parked(count: int) -> None:
     """Block until the agent has ``count`` parked spares (so a kill finds one)."""
     from tp_launch.resilient import parked_spares
 
-    while "TP_RUN_CHANNEL" in os.environ and parked_spares() < count:
-        time.sleep(0.05)
+    # Waiting for the agent is not a hang (--hang-timeout): a phase marked long.
+    state = STATE[0]
+    with state.long_phase(120) if hasattr(state, "long_phase") else contextlib.nullcontext():
+        while "TP_RUN_CHANNEL" in os.environ and parked_spares() < count:
+            time.sleep(0.05)
 
 
 def together(step: int, where: str) -> None:
@@ -114,8 +118,7 @@ def maybe_hang(where: str, step: int) -> None:
         return
     r, s, w, how = HANG
     if int(r) == dist.get_rank() and int(s) == step and w == where:
-        with STATE[0].long_phase(120):  # waiting for the spare is not the hang
-            wait_parked(args.parked)
+        wait_parked(args.parked)
         if once("hang"):
             with open(os.path.join(OUT, "hang_t"), "w") as f:
                 f.write(repr(time.time()))
@@ -137,7 +140,7 @@ def maybe_kill(where: str, step: int) -> None:
 
 
 TRAINING = threading.Event()  # set once train() runs here (a promoted spare included)
-STATE: list = [contextlib.nullcontext]  # the resilient state, once train() runs
+STATE: list = [None]  # the resilient state, once train() runs
 
 
 def die_when_parked() -> None:
@@ -176,6 +179,8 @@ class Saboteur:
     def load_state_dict(self, sd: dict) -> None:
         if args.sabotage == "newcomer" and _in("recv_state") and once("sabotage_newcomer"):
             die()
+        if args.sabotage == "newcomer-stop" and _in("recv_state") and once("sabotage_stop"):
+            os.kill(os.getpid(), signal.SIGSTOP)  # a newcomer that hangs mid-transfer
 
 
 def _in(function: str) -> bool:

@@ -21,7 +21,7 @@ from tp_launch.agent.control import CrashLoop, Generation, World
 from tp_launch.agent.control_server import Conn, ControlServer
 from tp_launch.agent.failures import ProcessFailure
 from tp_launch.agent.generations import Generations
-from tp_launch.agent.hangs import ProgressClock, Stragglers
+from tp_launch.agent.hangs import OutputClock, ProgressClock, Stragglers
 from tp_launch.agent.recovery_report import Recovery
 from tp_launch.control_files import AgentStatus
 from tp_launch.procs.logs import AttemptLogs, ConsoleTail, RankLogs, SpareOutput
@@ -85,6 +85,8 @@ class Attempt:
     holders: set[int] = field(default_factory=set)  # ranks whose process holds the state
     clock: ProgressClock = field(default_factory=ProgressClock)  # the job's progress here
     stragglers: Stragglers = field(default_factory=Stragglers)
+    quiet: OutputClock = field(default_factory=OutputClock)  # a plain script's output
+    started: float = 0.0  # monotonic
     hung: dict[int, str] = field(default_factory=dict)  # rank -> why it was killed as hung
     origin: dict[int, int] = field(default_factory=dict)  # rank -> slot of its last holder
 

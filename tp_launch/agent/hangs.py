@@ -30,6 +30,14 @@ phase the script marked long (``state.long_phase()``) exempts the job until the 
 end. Ranks on other nodes are not on this node's board: a node compares its own ranks
 (a culprit alone on its node is found by its own agent when it stopped beating).
 
+**A plain script** (one that does not use ``tp_launch.resilient``: no board) has only its
+output to show: :class:`OutputClock` says how long no worker of the node wrote anything
+(``/proc/<pid>/io``); past ``--hang-timeout`` (given explicitly: a quiet script is not
+a hung one by default; before the first output, the startup budget) the workers are
+ended with their stacks and restarted, torchrun's way
+(:mod:`tp_launch.agent.node_agent`). Under ``--spares`` a script that has not said hello
+within the startup budget is taken for a plain one.
+
 **Stragglers** (:class:`Stragglers`). In a synchronous job every rank's step takes as
 long as the slowest rank's, so step times cannot name it; positions can: the straggler
 is the rank that is behind the others' collective count whenever one looks. Sampled at
@@ -122,6 +130,24 @@ class ProgressClock:
     def step_s(self) -> float:
         """The median recent step time (0: none seen)."""
         return statistics.median(self._step_times) if self._step_times else 0.0
+
+
+@dataclass
+class OutputClock:
+    """How long a plain script's workers have written nothing."""
+
+    since: float = 0.0
+    spoke: bool = False  # some worker wrote something
+    _last: int | None = None
+
+    def observe(self, now: float, written: int) -> float:
+        """``written``: the bytes the node's workers wrote so far, together."""
+        if written != self._last:
+            if self._last is not None:
+                self.since = now
+                self.spoke = True
+            self._last = written
+        return now - self.since
 
 
 @dataclass(frozen=True)

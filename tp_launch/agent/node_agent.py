@@ -26,6 +26,7 @@ import logging
 import selectors
 import signal
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -39,6 +40,7 @@ from tp_launch.agent.failures import (
     first_observed,
     format_summary,
 )
+from tp_launch.agent.hangs import HangPolicy, OutputClock
 from tp_launch.agent.worker_env import worker_argv, worker_env
 from tp_launch.config import ConfigError, LaunchConfig
 from tp_launch.procs.logs import AttemptLogs, ConsoleTail, LogLayout
@@ -47,6 +49,10 @@ from tp_launch.procs.worker import WorkerProcess, stop_workers
 logger = logging.getLogger(__name__)
 
 _WORLD_CHANGED = object()  # selector tag of the rendezvous' world-change fd
+
+
+# How long a hung plain script's workers get to print their stacks and die of SIGABRT.
+_ABORT_WAIT_S = 2.0
 
 
 class SignalReceived(BaseException):
@@ -244,6 +250,8 @@ class NodeAgent:
             sel.register(self.rdzv.fd, selectors.EVENT_READ, _WORLD_CHANGED)
         for w in self.workers:
             sel.register(w.pidfd, selectors.EVENT_READ, w)
+        quiet = OutputClock(time.monotonic())
+        hang_timeout = cfg.hang_timeout_for(resilient=False)
         try:
             running = set(self.workers)
             while running:
@@ -268,9 +276,33 @@ class NodeAgent:
                     return self._fail(failed, global_ranks)
                 if world_changed:
                     return self._world_changed(global_ranks)
+                if hang_timeout:
+                    self.abort_if_quiet(quiet, hang_timeout)
             return AttemptResult()
         finally:
             sel.close()
+
+    def abort_if_quiet(self, quiet: OutputClock, timeout: float) -> None:
+        """``--hang-timeout`` for a plain script: no worker wrote anything for that long:
+        end them all with their stacks; their deaths are the attempt's failure."""
+        running = [w for w in self.workers if w.returncode is None]
+        silent = quiet.observe(time.monotonic(), sum(w.written() for w in running))
+        # Before its first output (imports, data loading) a script gets the startup
+        # budget, as a resilient one does before its first step.
+        if not quiet.spoke:
+            timeout = HangPolicy(timeout).startup
+        if silent < timeout or not running:
+            return
+        logger.error("hang: no worker wrote anything for %.0f s (--hang-timeout %g); "
+                     "ending them with their stacks (in their stderr)", silent, timeout)
+        for w in running:
+            w.abort_with_stack()
+        deadline = time.monotonic() + _ABORT_WAIT_S
+        while time.monotonic() < deadline and any(w.returncode is None for w in running):
+            time.sleep(0.05)
+        for w in running:
+            if w.returncode is None:  # it handles SIGABRT itself, and did not end
+                w.signal_group(signal.SIGKILL)
 
     def _fail(self, first: list[WorkerProcess], global_ranks: dict[int, int]) -> AttemptResult:
         cfg = self.config

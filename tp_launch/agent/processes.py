@@ -68,6 +68,8 @@ class Processes:
                     channel.ENV_PROGRESS: at.board.path})
         if cfg.verify_every:
             env[channel.ENV_VERIFY_EVERY] = str(cfg.verify_every)
+        if not cfg.hang_timeout_for(resilient=True) and not cfg.straggler_factor:
+            env[channel.ENV_HEARTBEAT] = "0"  # nobody reads it
         argv = worker_argv(cfg, device)
         try:
             worker = WorkerProcess(argv, env, rl.stdout, rl.stderr, device, piped=spare)

@@ -167,6 +167,7 @@ class ResilientAgent(NodeAgent):
             spares_wanted=self.processes.opted_in or not mine)
         at = self.attempt
         at.clock.reset(time.monotonic())
+        at.quiet.since = at.started = time.monotonic()
         at.stragglers = hangs.Stragglers(cfg.straggler_factor, cfg.straggler_window)
         self.recoverer = Recoverer(cfg, at, self.processes, self.layout, self.rdzv.run_id)
         try:
@@ -272,8 +273,11 @@ class ResilientAgent(NodeAgent):
                 raise StopJob(self.recoverer.failure_result(), final=True)
             self.processes.spawn_missing(at)  # a spare whose backoff delay is over
             self._watch()
-            ranks_alive = [s for s in at.world.slot_of.values() if at.alive(s)]
-            if not ranks_alive and not at.waiting and not at.unplaced and \
+            # A rank that died since the select is seen by the next one: only exits 0 end
+            # the attempt here (a death between the two used to pass for a success).
+            unsettled = [s for s in at.world.slot_of.values()
+                         if at.procs[s].worker.returncode != 0]
+            if not unsettled and not at.waiting and not at.unplaced and \
                     not at.deferred and \
                     (at.exiting or (at.world.slot_of and not at.resilient)):
                 # Every rank exited 0: after the exit barrier, or a plain script's ranks.
@@ -345,6 +349,13 @@ class ResilientAgent(NodeAgent):
         backend, the end) or the script does not use the API."""
         at = self.attempt
         now = time.monotonic()
+        if not at.resilient:
+            # A script that has not said hello within the startup budget is a plain one:
+            # its output is all there is to watch (hang_timeout given explicitly).
+            if self.config.hang_timeout and \
+                    now - at.started > self.hang_policy.startup:
+                self.abort_if_quiet(at.quiet, self.config.hang_timeout)
+            return
         if not at.resilient or at.exiting or at.waiting or at.deferred or at.unplaced:
             at.clock.reset(now)
             at.stragglers.reset()

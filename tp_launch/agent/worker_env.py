@@ -38,6 +38,8 @@ def worker_env(config: LaunchConfig, info: RendezvousInfo, local_rank: int,
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
         "TORCHELASTIC_ERROR_FILE": error_file,
         "LOCAL_RANK": str(local_rank),
+        # A hung worker is ended with SIGABRT: this prints its stack first.
+        **({"PYTHONFAULTHANDLER": "1"} if config.hang_timeout else {}),
     })
     if config.virtual_local_rank:
         env["LOCAL_RANK"] = "0"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import resource
 import signal
 import subprocess
 import time
@@ -94,6 +95,33 @@ class WorkerProcess:
         if code is not None and self.exit_time is None:
             self.exit_time = time.time()
         return code
+
+    def written(self) -> int:
+        """Bytes the worker itself wrote so far (its output, its files; 0 if unknown):
+        ``wchar`` of ``/proc/<pid>/io``, readable by its owner without privileges."""
+        try:
+            with open(f"/proc/{self.pid}/io", "rb") as f:
+                for line in f:
+                    if line.startswith(b"wchar:"):
+                        return int(line.split()[1])
+        except (OSError, ValueError, IndexError):
+            pass
+        return 0
+
+    def abort_with_stack(self) -> None:
+        """End a hung worker with its Python stack on its stderr: SIGABRT, which
+        ``PYTHONFAULTHANDLER`` (set by the agent when hang detection is on) turns into
+        a dump of every thread; no core file (RLIMIT_CORE 0); SIGCONT first, in case
+        it is stopped."""
+        try:
+            resource.prlimit(self.pid, resource.RLIMIT_CORE, (0, 0))
+        except (OSError, ValueError):
+            pass
+        for sig in (signal.SIGABRT, signal.SIGCONT):
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                return
 
     def signal_group(self, sig: int) -> None:
         """Send ``sig`` to the worker's process group (the worker and its helpers)."""

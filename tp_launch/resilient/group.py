@@ -61,20 +61,30 @@ def build(store: dist.Store, gen: int, rank: int, world_size: int, backend: str,
         GenerationChanged: a newer generation was announced during the barrier.
     """
     pstore = dist.PrefixStore(f"tp-run/g{gen}", store)
-    arrival_barrier(pstore, "arrived", world_size, stale)
+    arrival_barrier(pstore, "arrived", world_size, stale, timeout.total_seconds())
     dist.init_process_group(backend, store=pstore, rank=rank, world_size=world_size,
                             timeout=timeout)
 
 
-def arrival_barrier(store: dist.Store, key: str, count: int, stale: Callable[[], bool]) -> None:
-    """Wait until ``count`` processes added themselves to ``key``, or the generation is stale."""
-    store.add(key, 1)
+def arrival_barrier(store: dist.Store, key: str, count: int, stale: Callable[[], bool],
+                    timeout: float) -> None:
+    """Wait until ``count`` processes added themselves to ``key``, or the generation is
+    stale (GenerationChanged), or ``timeout`` seconds passed (TimeoutError: the rank
+    then waits for the next generation like one whose collective failed). The agent's
+    hang detection normally decides long before: a rank that does not arrive is behind
+    the ones that did."""
+    arrived = store.add(key, 1)
     delay = _POLL_S
-    while store.add(key, 0) < count:
+    deadline = time.monotonic() + timeout
+    while arrived < count:
         if stale():
             raise GenerationChanged("a newer generation was announced")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"arrival barrier: {arrived} of {count} ranks arrived "
+                               f"within {timeout:.0f} s")
         time.sleep(delay)
         delay = min(delay * 1.5, 0.02)
+        arrived = store.add(key, 0)
 
 
 def teardown() -> None:

@@ -178,7 +178,7 @@ class _Runner:
         state._holds = os.environ.get("TP_RUN_SPARE") != "1"
         self.hooks = _ResilientHooks(self)
         state.hooks = self.hooks
-        if link.board is not None:
+        if link.board is not None and os.environ.get(channel.ENV_HEARTBEAT) != "0":
             Heartbeat(link.board, link.slot)
 
     def _stage(self, gen: int, stage: Stage) -> None:
@@ -327,7 +327,8 @@ class _Runner:
     def _handoff(self, store: dist.Store, handoff: channel.Handoff, receiver: bool) -> int:
         """Move the state from the retiring rank (0) to its replacement (1)."""
         pstore = dist.PrefixStore(handoff.prefix, store)
-        group.arrival_barrier(pstore, "arrived", 2, self.link.stale)
+        group.arrival_barrier(pstore, "arrived", 2, self.link.stale,
+                              self.timeout.total_seconds())
         pg = dist.ProcessGroupGloo(pstore, 1 if receiver else 0, 2, self.timeout)
         try:
             if receiver:
