@@ -431,6 +431,12 @@ class Membership:
     def parked_counts(self) -> dict[str, int]:
         return self.placement.parked_counts()
 
+    def set_status(self, doc: str) -> None:
+        self.placement.set_status(doc)
+
+    def statuses(self) -> dict[str, str]:
+        return self.placement.statuses()
+
     def mark_finished(self, generation: int) -> None:
         assert self.world is not None
         self.placement.mark_finished(self.world.round, generation)

@@ -10,6 +10,8 @@ publishes their decisions:
   publishes and the other adopts its generation.
 - ``P/parked/<member>`` (on the member's lease: a dead node's count vanishes with it):
   how many spares each node has parked, where a lost node's ranks can go.
+- ``P/status/<member>`` (on the member's lease): what its ranks do, for ``tp-run status``
+  on any node (an opaque document; written every few seconds, never per step).
 - ``P/r<round>/finished/<member>``: the resilient exit barrier, the generation in which
   the member's ranks finished.
 - :meth:`ResilientPlacement.watch`: a poke on every change of the state, of liveness and
@@ -60,6 +62,14 @@ class ResilientPlacement:
         fails, the session puts the latest count again when the backend answers;
         KVError still raised)."""
         self.session.put(self.keys.parked(self.me), str(count))
+
+    def set_status(self, doc: str) -> None:
+        """Publish this member's status document, on its lease (KVError raised)."""
+        self.session.put(self.keys.status(self.me), doc)
+
+    def statuses(self) -> dict[str, str]:
+        """member -> its status document."""
+        return by_member(self.keys.status_prefix, self.kv.get_prefix(self.keys.status_prefix))
 
     def parked_counts(self) -> dict[str, int]:
         prefix = self.keys.parked_prefix

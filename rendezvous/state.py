@@ -21,6 +21,9 @@ Keys
     (the store's host lingers until every participant has).
 ``P/parked/<member>``
     Resilient mode: how many spares the member has parked (an integer), on its lease.
+``P/status/<member>``
+    Resilient mode: the member's ranks as ``tp-run status`` shows them (a JSON document
+    the agent writes every few seconds, opaque to the rendezvous), on its lease.
 ``P/r<round>/finished/<member>``
     Resilient mode: the generation in which the member's ranks finished (an integer).
 
@@ -316,6 +319,13 @@ class Keys:
 
     def parked(self, member: str) -> str:
         return self.parked_prefix + member
+
+    @property
+    def status_prefix(self) -> str:
+        return self.root + "status/"
+
+    def status(self, member: str) -> str:
+        return self.status_prefix + member
 
     def in_round(self, rnd: int, name: str) -> str:
         """A round-scoped key (or, ending in ``/``, prefix): ``store``, ``join/``,

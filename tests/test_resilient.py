@@ -524,7 +524,8 @@ def test_node_loss_moves_its_ranks_to_spares(workdir, test_env, reference, etcd_
         _wait(lambda: _parked(survivor) >= int(spares), "the surviving node parks its spares")
         receiver = agents[2] if spares_on == "spare node" else survivor
         moved, stayed = _ranks(victim), _ranks(survivor)
-        first = {e[0][0]: pid for pid, e in entries(out).items()}
+        # The processes that hold the ranks now, as their agents say.
+        first = {**_status(victim).ranks, **_status(survivor).ranks}
         victim.kill()
         victim.communicate()
         (out / "release").touch()

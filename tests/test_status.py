@@ -21,7 +21,7 @@ from tests.conftest import HANG_TIMEOUT, TP_RUN, run_launcher, start_launcher
 from tp_launch import channel
 from tp_launch.agent.status import read_recoveries, recovery_status
 from tp_launch.control_files import find_agents
-from tp_launch.status import MULTI_NODE_ERROR, format_table, to_document
+from tp_launch.status import format_table, to_document
 
 SCRIPT = "scripts/resilient_train.py"
 
@@ -142,8 +142,8 @@ def test_json_document():
     assert "op" not in doc and doc["gen"] == 3
     assert doc["ranks"][1] == {"rank": 1, "pid": 1001, "slot": 1, "step": 57, "step_s": 0.0123,
                                "gen": 3, "stage": "training", "commit_age_s": 0.05,
-                               "beat_age_s": 0.01}
-    assert doc["parked"] == [{"slot": 100, "pid": 2000}]
+                               "beat_age_s": 0.01, "node": ""}
+    assert doc["parked"] == [{"slot": 100, "pid": 2000, "node": ""}]
     assert doc["recoveries"][0]["failed_ranks"] == [1]
     json.dumps(doc)
 
@@ -160,9 +160,6 @@ def test_status_errors(workdir, test_env):
                        workdir)
     assert cmd.returncode == 1 and "for that job" in cmd.stderr
     assert len(cmd.stderr.splitlines()) == 1
-    cmd = run_launcher(TP_RUN, ["status", "--rdzv-backend", "etcd", "--rdzv-endpoint",
-                                "127.0.0.1:1", "--rdzv-id", "x"], test_env, workdir)
-    assert cmd.returncode == 1 and cmd.stderr == f"tp-run status: error: {MULTI_NODE_ERROR}\n"
     cmd = run_launcher(TP_RUN, ["status", "--bogus"], test_env, workdir)
     assert cmd.returncode == 2 and len(cmd.stderr.splitlines()) == 1
 
@@ -234,3 +231,34 @@ def test_status_of_a_running_job(workdir, test_env):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.communicate()
+
+
+@pytest.mark.slow
+def test_status_of_a_two_node_job(workdir, test_env, etcd_server):
+    """etcd, --nnodes 2, 2 ranks per node: asked on either node, the agent answers for
+    the whole job, the other node's ranks and spare as that node published them."""
+    from tests.test_resilient import all_held, exits, node_job
+
+    with node_job(workdir, test_env, etcd_server) as (start, agents, out):
+        for node in range(2):
+            start(node, "--nnodes", "2", "--spares", "1")
+        deadline = time.monotonic() + HANG_TIMEOUT
+        while not all_held(out):
+            assert time.monotonic() < deadline, "4 ranks train"
+            time.sleep(0.1)
+        for agent in agents:
+            doc = _wait_status(test_env, workdir, agent.pid,
+                               lambda d: d["ranks_total"] == 4 and d["parked_total"] == 2,
+                               "every rank and spare of the job in one answer")
+            assert [r["rank"] for r in doc["ranks"]] == [0, 1, 2, 3]
+            assert all(r["step"] >= 8 for r in doc["ranks"])
+            here = {r["rank"] for r in doc["ranks"] if r["node"] == ""}
+            there = {r["node"] for r in doc["ranks"] if r["node"]}
+            assert len(here) == 2 and len(there) == 1 and doc["node"] not in there
+            table = subprocess.run([*TP_RUN, "status", "--agent-pid", str(agent.pid)],
+                                   env=test_env, cwd=workdir, capture_output=True,
+                                   text=True, timeout=60)
+            assert table.returncode == 0 and "NODE" in table.stdout, table.stderr
+        (out / "release").touch()
+        for rc, err in exits(agents):
+            assert rc == 0, err[-3000:]

@@ -230,6 +230,12 @@ class _Record:
             _check(hints[f.name], getattr(self, f.name), f.name)
 
     @classmethod
+    def from_json(cls: type[_R], doc: Any) -> _R:
+        """The record a JSON object describes, checked as a message's fields are
+        (ChannelError: why not)."""
+        return cls._from_json(doc)
+
+    @classmethod
     def _from_json(cls: type[_R], doc: Any) -> _R:
         if not isinstance(doc, dict):
             raise ChannelError(f"must be an object, not {_show(doc)}")
@@ -380,12 +386,14 @@ class RankStatus(_Record):
     stage: str  # progress.Stage, lower case
     commit_age_s: Seconds | None = None
     beat_age_s: Seconds | None = None
+    node: str = ""  # multi-node: the node that holds it ("": the node that answers)
 
 
 @dataclass(frozen=True)
 class SpareStatus(_Record):
     slot: Count
     pid: int
+    node: str = ""
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,9 @@ committed, its generation and stage, from the progress board), the parked spares
 the last recoveries (``recovery.jsonl``). A compact table by default (:func:`format_table`),
 one JSON document with ``--json`` (:func:`to_document`).
 
-Multi-node jobs: the answer covers this node's ranks only; ``--rdzv-backend`` /
-``--rdzv-endpoint`` (the whole job, through the rendezvous) are refused with one line
-for now: run the command on each node.
+Multi-node jobs: run it on any node. The agent there answers for the whole job: its own
+ranks from its board, the other nodes' as they published them through the rendezvous
+(every few seconds; a ``NODE`` column says where each rank runs).
 
 Bad input (no running agent, an unknown run id, several agents and none named, an agent
 that does not answer) is one line on stderr and exit status 1 (usage: 2), never a
@@ -33,7 +33,6 @@ from tp_launch import channel
 from tp_launch.migrate import ask, pick_agent
 
 COMMAND = "tp-run status"
-MULTI_NODE_ERROR = "tp-run status across nodes: not yet; run it on each node"
 
 
 def to_document(reply: channel.StatusReply) -> dict[str, Any]:
@@ -66,17 +65,19 @@ def format_table(reply: channel.StatusReply) -> str:
     """The human view of ``reply``: a heading, one line per rank, spares, recoveries."""
     lines = [f"job {reply.run_id}  node {reply.node}  agent pid {reply.agent_pid}  "
              f"generation {reply.gen}  world size {reply.world_size}  {reply.state}"]
-    rows = [[str(r.rank), str(r.pid), str(r.slot), "-" if r.step < 0 else str(r.step),
+    nodes = any(r.node for r in reply.ranks)  # multi-node: say where each rank runs
+    rows = [[str(r.rank), *([r.node or reply.node] if nodes else []), str(r.pid),
+             str(r.slot), "-" if r.step < 0 else str(r.step),
              _ms(r.step_s) if r.step_s > 0 else "-", _ago(r.commit_age_s), str(r.gen),
              r.stage] for r in reply.ranks]
     if rows:
-        lines += _table(["RANK", "PID", "SLOT", "STEP", "STEP TIME", "COMMITTED", "GEN",
-                         "STAGE"], rows)
+        lines += _table(["RANK", *(["NODE"] if nodes else []), "PID", "SLOT", "STEP",
+                         "STEP TIME", "COMMITTED", "GEN", "STAGE"], rows)
     else:
         lines.append("no rank on this node")
     if reply.ranks_total > len(reply.ranks):
         lines.append(f"... and {reply.ranks_total - len(reply.ranks)} more rank(s)")
-    pids = ", ".join(str(s.pid) for s in reply.parked)
+    pids = ", ".join(f"{s.pid}{f' on {s.node}' if s.node else ''}" for s in reply.parked)
     more = reply.parked_total - len(reply.parked)
     lines.append(f"parked spares: {reply.parked_total}"
                  + (f" (pid {pids}{f', ... {more} more' if more > 0 else ''})"
@@ -101,14 +102,9 @@ def format_table(reply: channel.StatusReply) -> str:
               help="The job's --rdzv-id (when several jobs run).")
 @click.option("--agent-pid", type=int, default=None, help="The tp-run agent's pid.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document instead of a table.")
-@click.option("--rdzv-backend", default=None, help="Across nodes: not yet supported.")
-@click.option("--rdzv-endpoint", default=None, help="Across nodes: not yet supported.")
-def status(run_id: str | None, agent_pid: int | None, as_json: bool,
-           rdzv_backend: str | None, rdzv_endpoint: str | None) -> None:
-    """Show a running resilient job: its generation, this node's ranks (pid, step, step
-    time), parked spares and recent recoveries."""
-    if (rdzv_backend not in (None, "", "static")) or rdzv_endpoint:
-        raise click.ClickException(MULTI_NODE_ERROR)
+def status(run_id: str | None, agent_pid: int | None, as_json: bool) -> None:
+    """Show a running resilient job: its generation, its ranks (node, pid, step, step
+    time), parked spares and this node's recent recoveries."""
     reply = ask(pick_agent(run_id, agent_pid, COMMAND), channel.Status(),
                 channel.StatusReply)
     if as_json:

@@ -87,6 +87,7 @@ class Attempt:
     stragglers: Stragglers = field(default_factory=Stragglers)
     quiet: OutputClock = field(default_factory=OutputClock)  # a plain script's output
     started: float = 0.0  # monotonic
+    status_published: float = 0.0  # monotonic: the last node status sent to other nodes
     hung: dict[int, str] = field(default_factory=dict)  # rank -> why it was killed as hung
     origin: dict[int, int] = field(default_factory=dict)  # rank -> slot of its last holder
 

@@ -33,10 +33,11 @@ its parked count is put again by the membership when the backend answers.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rendezvous import RendezvousError, RendezvousHandler, RendezvousInfo
 from rendezvous.handler import MembershipRendezvous
@@ -99,6 +100,12 @@ class Generations(Protocol):
 
     def set_parked(self, count: int) -> None:
         """Tell the other nodes how many spares this node has parked."""
+
+    def set_status(self, doc: dict[str, Any]) -> None:
+        """Publish what this node's ranks do, for ``tp-run status`` on other nodes."""
+
+    def statuses(self) -> dict[str, dict[str, Any]]:
+        """node -> the status document it published last (other nodes; {}: none)."""
 
     def publish(self, g: Generation) -> bool:
         """Publish ``g`` if the job is still at ``g.gen - 1``; False if another node
@@ -180,6 +187,12 @@ class LocalGenerations:
 
     def set_parked(self, count: int) -> None:
         pass
+
+    def set_status(self, doc: dict[str, Any]) -> None:
+        pass
+
+    def statuses(self) -> dict[str, dict[str, Any]]:
+        return {}
 
     def publish(self, g: Generation) -> bool:
         self._current = g
@@ -301,6 +314,29 @@ class SharedGenerations:
             logger.debug("rendezvous: the parked count waits for the backend: %s", e)
         except KVError as e:
             logger.warning("rendezvous: cannot publish the parked spares: %s", e)
+
+    def set_status(self, doc: dict[str, Any]) -> None:
+        try:
+            self._m.set_status(json.dumps(doc, separators=(",", ":")))
+        except KVError as e:  # the session puts it again when the backend answers
+            logger.debug("rendezvous: the status document waits for the backend: %s", e)
+
+    def statuses(self) -> dict[str, dict[str, Any]]:
+        """Every other node's status document; unreadable ones are left out."""
+        try:
+            raw = self._m.statuses()
+        except KVError as e:
+            logger.debug("rendezvous: cannot read the nodes' status: %s", e)
+            return {}
+        docs: dict[str, dict[str, Any]] = {}
+        for node, text in raw.items():
+            try:
+                doc = json.loads(text)
+            except ValueError:
+                continue
+            if node != self.node and isinstance(doc, dict):
+                docs[node] = doc
+        return docs
 
     def publish(self, g: Generation) -> bool:
         """Write ``g`` if the job is still at generation ``g.gen - 1``: False if another

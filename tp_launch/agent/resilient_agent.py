@@ -87,7 +87,7 @@ from tp_launch.agent.generations import open_generations, shared_membership
 from tp_launch.agent.node_agent import AttemptResult, NodeAgent, SignalReceived, SignalWatch
 from tp_launch.agent.processes import Processes
 from tp_launch.agent.recovery import Recoverer, StopJob
-from tp_launch.agent.status import status_reply
+from tp_launch.agent.status import node_status, status_reply
 from tp_launch.config import ConfigError, LaunchConfig
 from tp_launch.procs.logs import ConsoleTail, LogLayout
 from tp_launch.procs.worker import stop_workers
@@ -96,6 +96,8 @@ logger = logging.getLogger(__name__)
 
 # Multi-node: seconds between two reads of the job's state when no watch poked.
 _VIEW_POLL_S = 2.0
+# Multi-node: seconds between two publications of this node's status (tp-run status).
+_STATUS_EVERY_S = 2.0
 # How long a rank whose collective failed waits for its agent's next generation before
 # it fails with an error (tp_launch.resilient.runtime.RECOVERY_WAIT_S). Ranks that gave
 # up because the rendezvous backend was down meanwhile fail together, at one step: that
@@ -273,6 +275,9 @@ class ResilientAgent(NodeAgent):
                 raise StopJob(self.recoverer.failure_result(), final=True)
             self.processes.spawn_missing(at)  # a spare whose backoff delay is over
             self._watch()
+            if time.monotonic() - at.status_published > _STATUS_EVERY_S:
+                at.status_published = time.monotonic()
+                at.gens.set_status(node_status(at))
             # A rank that died since the select is seen by the next one: only exits 0 end
             # the attempt here (a death between the two used to pass for a success).
             unsettled = [s for s in at.world.slot_of.values()

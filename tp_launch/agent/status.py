@@ -12,6 +12,11 @@ every few seconds), so reading the file's last kilobytes each time is cheap; a f
 that cannot be read, or a line that is not a valid event, is left out, never an error.
 Lists are capped (:data:`tp_launch.channel.STATUS_MAX_RANKS` and the others) so the
 reply stays one channel line.
+
+Multi-node: every agent publishes its own ranks and parked spares through the
+rendezvous every few seconds (:func:`node_status`, on its lease: a lost node's entry
+goes with it), and the answer adds the other nodes' (their rows carry ``node``; their
+ages are as of that publication, plus its age).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import asdict
 from typing import Any
 
 from tp_launch import channel, progress
@@ -131,12 +137,57 @@ def _state(at: Attempt) -> str:
     return "training" if at.resilient else "starting"
 
 
-def status_reply(at: Attempt, run_id: str, run_dir: str) -> channel.StatusReply:
-    """The answer to ``status``: this node's ranks, parked spares and last recoveries."""
+# Node ids in a reply are cut to this length (the reply must stay one channel line).
+_NODE_MAX = 64
+
+
+def node_status(at: Attempt) -> dict[str, Any]:
+    """This node's ranks and parked spares, for the other nodes' ``tp-run status``."""
     now = time.monotonic()
-    ranks = sorted(at.world.slot_of.items())
+    ranks = sorted(at.world.slot_of.items())[: channel.STATUS_MAX_RANKS]
+    return {"t": time.time(), "gen": at.world.gen,
+            "ranks": [asdict(_rank_status(at, r, s, now)) for r, s in ranks],
+            "parked": [asdict(channel.SpareStatus(slot=s, pid=at.procs[s].worker.pid))
+                       for s in at.world.parked if s in at.procs][: channel.STATUS_MAX_SPARES]}
+
+
+def _elsewhere(at: Attempt) -> tuple[list[channel.RankStatus], list[channel.SpareStatus]]:
+    """The other nodes' ranks and parked spares, as they last published them."""
+    ranks: list[channel.RankStatus] = []
+    spares: list[channel.SpareStatus] = []
+    for node, doc in sorted(at.gens.statuses().items()):
+        late = _number(doc.get("t"))
+        late = max(0.0, time.time() - late) if late is not None else 0.0
+        name = node[:_NODE_MAX]
+        for item in doc.get("ranks", []) if isinstance(doc.get("ranks"), list) else []:
+            try:
+                r = channel.RankStatus.from_json(item)
+            except channel.ChannelError:
+                continue
+            ranks.append(channel.RankStatus(**{
+                **asdict(r), "node": name,
+                "commit_age_s": None if r.commit_age_s is None else r.commit_age_s + late,
+                "beat_age_s": None if r.beat_age_s is None else r.beat_age_s + late}))
+        for item in doc.get("parked", []) if isinstance(doc.get("parked"), list) else []:
+            try:
+                spares.append(channel.SpareStatus(**{
+                    **asdict(channel.SpareStatus.from_json(item)), "node": name}))
+            except channel.ChannelError:
+                continue
+    return ranks, spares
+
+
+def status_reply(at: Attempt, run_id: str, run_dir: str) -> channel.StatusReply:
+    """The answer to ``status``: the job's ranks (this node's from its board, the
+    others' as published), parked spares and this node's last recoveries."""
+    now = time.monotonic()
+    mine = [_rank_status(at, r, s, now) for r, s in sorted(at.world.slot_of.items())]
     spares = [channel.SpareStatus(slot=s, pid=at.procs[s].worker.pid)
               for s in at.world.parked if s in at.procs]
+    other_ranks, other_spares = _elsewhere(at)
+    ranks = sorted(mine + [r for r in other_ranks if r.rank not in at.world.slot_of],
+                   key=lambda r: r.rank)
+    spares += other_spares
     recoveries = read_recoveries(run_dir)
     if at.recovery is not None:
         recoveries = [*recoveries, _in_progress(at.recovery)]
@@ -144,8 +195,7 @@ def status_reply(at: Attempt, run_id: str, run_dir: str) -> channel.StatusReply:
     return channel.StatusReply(
         run_id=run_id[:200], node=at.world.node[:200], agent_pid=os.getpid(),
         gen=at.world.gen, world_size=at.gen.world_size, state=_state(at),
-        ranks=tuple(_rank_status(at, r, s, now)
-                    for r, s in ranks[: channel.STATUS_MAX_RANKS]),
-        ranks_total=len(ranks), parked=tuple(spares[: channel.STATUS_MAX_SPARES]),
+        ranks=tuple(ranks[: channel.STATUS_MAX_RANKS]), ranks_total=len(ranks),
+        parked=tuple(spares[: channel.STATUS_MAX_SPARES]),
         parked_total=len(spares), recoveries=tuple(recoveries),
         log_dir="" if run_dir == os.devnull else run_dir[:1000])
