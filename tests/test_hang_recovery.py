@@ -147,3 +147,28 @@ def test_newcomer_hung_in_the_transfer_is_replaced_too(workdir, test_env, refere
     check_completed(proc, out, reference, {3})
     assert "holds the job up: no heartbeat" in proc.stderr
     assert recoveries(log_dir)[-1]["complete"]
+
+
+@pytest.mark.slow
+def test_culprit_alone_on_its_node_is_found_across_nodes(workdir, test_env, etcd_server):
+    """etcd, two agents with one rank each: rank 1's data loader deadlocks (its heartbeat
+    goes on). Its agent has no local peer to compare it with: it compares it with the
+    other node's published rank, finds it behind, kills it; the spare of its node takes
+    the rank; the result is torchrun's failure-free one."""
+    from tests.test_resilient import exits, finals, node_job
+
+    ref_proc, ref_out = launch(workdir, test_env, ["--nproc-per-node", "2"], ["--no-resilient"],
+                               launcher=TORCHRUN, name="ref")
+    assert ref_proc.returncode == 0, ref_proc.stderr[-3000:]
+    ref = json.loads((ref_out / "final_0.json").read_text())["checksum"]
+    with node_job(workdir, test_env, etcd_server) as (start, agents, out):
+        for node in range(2):
+            start(node, "--nnodes", "2", "--nproc-per-node", "1", "--spares", "1", *HANG,
+                  script_args=("--hang", "1:11:loader:deadlock"))
+        results = exits(agents)
+    for rc, err in results:
+        assert rc == 0, err[-3000:]
+    assert {f["checksum"] for f in finals(out, world=2)} == {ref}
+    culprit_node = [err for _, err in results if "holds the job up" in err]
+    assert len(culprit_node) == 1 and "rank 1 (pid" in culprit_node[0]
+    assert "behind its peers" in culprit_node[0]

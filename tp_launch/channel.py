@@ -387,6 +387,7 @@ class RankStatus(_Record):
     commit_age_s: Seconds | None = None
     beat_age_s: Seconds | None = None
     node: str = ""  # multi-node: the node that holds it ("": the node that answers)
+    seq: Count = 0  # collectives issued in its generation (hang detection across nodes)
 
 
 @dataclass(frozen=True)

@@ -88,6 +88,7 @@ class Attempt:
     quiet: OutputClock = field(default_factory=OutputClock)  # a plain script's output
     started: float = 0.0  # monotonic
     status_published: float = 0.0  # monotonic: the last node status sent to other nodes
+    remote_read: float = 0.0  # monotonic: the last read of the other nodes' status
     hung: dict[int, str] = field(default_factory=dict)  # rank -> why it was killed as hung
     origin: dict[int, int] = field(default_factory=dict)  # rank -> slot of its last holder
 

@@ -28,7 +28,10 @@ that nobody marked and that issues no collective), there is no culprit: after tw
 limit it is reported as a hang everywhere and ``--spare-policy`` decides. A rank inside a
 phase the script marked long (``state.long_phase()``) exempts the job until the mark's
 end. Ranks on other nodes are not on this node's board: a node compares its own ranks
-(a culprit alone on its node is found by its own agent when it stopped beating).
+first, and when none of them is behind another, the agent compares them with the other
+nodes' ranks as they published them (``tp-run status``'s documents, every few seconds)
+and kills only its own culprits (a hang everywhere across nodes is reported, not acted
+on).
 
 **A plain script** (one that does not use ``tp_launch.resilient``: no board) has only its
 output to show: :class:`OutputClock` says how long no worker of the node wrote anything

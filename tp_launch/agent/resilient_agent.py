@@ -87,10 +87,11 @@ from tp_launch.agent.generations import open_generations, shared_membership
 from tp_launch.agent.node_agent import AttemptResult, NodeAgent, SignalReceived, SignalWatch
 from tp_launch.agent.processes import Processes
 from tp_launch.agent.recovery import Recoverer, StopJob
-from tp_launch.agent.status import node_status, status_reply
+from tp_launch.agent.status import node_status, remote_marks, status_reply
 from tp_launch.config import ConfigError, LaunchConfig
 from tp_launch.procs.logs import ConsoleTail, LogLayout
 from tp_launch.procs.worker import stop_workers
+from tp_launch.progress import Mark
 
 logger = logging.getLogger(__name__)
 
@@ -372,6 +373,9 @@ class ResilientAgent(NodeAgent):
         idle = at.clock.observe(now, marks)
         verdict = hangs.assess(self.hang_policy, now, marks, idle, at.clock.step_s,
                                at.clock.committed)
+        if self.config.max_nodes > 1 and (verdict is None or verdict.kind == "everywhere") \
+                and idle >= self.hang_policy.limit(at.clock.step_s, at.clock.committed):
+            verdict = self._across_nodes(marks, idle, verdict)
         if verdict is not None:
             at.clock.reset(now)  # one verdict per limit
             self._on_hang(verdict)
@@ -382,6 +386,28 @@ class ResilientAgent(NodeAgent):
             reply = self.recoverer.migrate(straggler.rank, evidence=straggler.evidence)
             if not reply.startswith("ok"):
                 logger.warning("straggler: rank %s stays: %s", straggler.rank, reply)
+
+    def _across_nodes(self, marks: dict[int, Mark], idle: float,
+                      local: hangs.Verdict | None) -> hangs.Verdict | None:
+        """No rank of this node is behind another: compare them with the other nodes'
+        ranks as published (every few seconds). A culprit here is this node's to kill;
+        one elsewhere, its own agent's."""
+        at = self.attempt
+        now = time.monotonic()
+        if now - at.remote_read < _STATUS_EVERY_S:
+            return None
+        at.remote_read = now
+        wide = hangs.assess(self.hang_policy, now, {**remote_marks(at, now), **marks}, idle,
+                            at.clock.step_s, at.clock.committed)
+        if wide is None or wide.kind == "everywhere":
+            return local
+        here = [r for r in wide.ranks if r in marks]
+        if not here:
+            logger.info("hang: rank(s) %s on other nodes hold the job up; their agents act",
+                        wide.ranks)
+            return None
+        return hangs.Verdict("culprit", here, {r: wide.why[r] for r in here}, wide.idle_s,
+                             wide.limit_s)
 
     def _on_hang(self, verdict: hangs.Verdict) -> None:
         at = self.attempt

@@ -55,7 +55,8 @@ def _rank_status(at: Attempt, rank: int, slot: int, now: float) -> channel.RankS
         rank=rank, pid=proc.worker.pid if proc is not None else -1, slot=slot,
         step=mark.step, step_s=round(step_s, 6), gen=mark.gen, stage=_stage(mark.stage),
         commit_age_s=_age(now, mark.commit_t) if 0 <= mark.commit_t < 1e12 else None,
-        beat_age_s=_age(now, mark.beat_t) if 0 <= mark.beat_t < 1e12 else None)
+        beat_age_s=_age(now, mark.beat_t) if 0 <= mark.beat_t < 1e12 else None,
+        seq=max(0, mark.seq))
 
 
 def _ints(values: Any) -> tuple[int, ...]:
@@ -151,13 +152,15 @@ def node_status(at: Attempt) -> dict[str, Any]:
                        for s in at.world.parked if s in at.procs][: channel.STATUS_MAX_SPARES]}
 
 
-def _elsewhere(at: Attempt) -> tuple[list[channel.RankStatus], list[channel.SpareStatus]]:
-    """The other nodes' ranks and parked spares, as they last published them."""
+def _elsewhere(at: Attempt, aged: bool = True
+               ) -> tuple[list[channel.RankStatus], list[channel.SpareStatus]]:
+    """The other nodes' ranks and parked spares, as they last published them (``aged``:
+    their ages plus the publication's)."""
     ranks: list[channel.RankStatus] = []
     spares: list[channel.SpareStatus] = []
     for node, doc in sorted(at.gens.statuses().items()):
         late = _number(doc.get("t"))
-        late = max(0.0, time.time() - late) if late is not None else 0.0
+        late = max(0.0, time.time() - late) if late is not None and aged else 0.0
         name = node[:_NODE_MAX]
         for item in doc.get("ranks", []) if isinstance(doc.get("ranks"), list) else []:
             try:
@@ -175,6 +178,24 @@ def _elsewhere(at: Attempt) -> tuple[list[channel.RankStatus], list[channel.Spar
             except channel.ChannelError:
                 continue
     return ranks, spares
+
+
+def remote_marks(at: Attempt, now: float) -> dict[int, progress.Mark]:
+    """The other nodes' ranks as progress marks, for hang detection across nodes. Their
+    ages count as of now, not plus the publication's age: a document is up to one
+    publication interval (2 s) old, longer than a heartbeat may lag; a node whose agent
+    died has no document (it lived on its lease)."""
+    marks: dict[int, progress.Mark] = {}
+    for r in _elsewhere(at, aged=False)[0]:
+        try:
+            stage = int(progress.Stage[r.stage.upper()])
+        except KeyError:
+            continue
+        marks[r.rank] = progress.Mark(
+            step=r.step, commit_t=0.0 if r.commit_age_s is None else now - r.commit_age_s,
+            step_s=r.step_s, beat_t=0.0 if r.beat_age_s is None else now - r.beat_age_s,
+            gen=r.gen, stage=stage, seq=r.seq)
+    return marks
 
 
 def status_reply(at: Attempt, run_id: str, run_dir: str) -> channel.StatusReply:

@@ -16,7 +16,8 @@ needs no lock and no Python code to run) write every thread's stack into
 ``<board>.slot<N>.stack``, a file this process created in the agent's private control
 directory (without following links, owner only); the agent then sends ``SIGCONT`` (a
 stopped process runs the handler once it continues), reads the file and logs it. The
-script keeps every other signal for itself.
+script keeps every other signal for itself, and a SIGUSR2 handler it installed before
+``run()`` still runs after the dump.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import faulthandler
 import logging
 import os
+import signal
 import threading
 import time
 from typing import IO
@@ -47,7 +49,11 @@ class Heartbeat:
                          os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                          0o600)
             self._stack = os.fdopen(fd, "w")
-            faulthandler.register(progress.STACK_SIGNAL, file=self._stack, all_threads=True)
+            # A handler the script installed keeps running after the dump (chained); the
+            # default action (terminate) must not.
+            mine = signal.getsignal(progress.STACK_SIGNAL)
+            faulthandler.register(progress.STACK_SIGNAL, file=self._stack, all_threads=True,
+                                  chain=callable(mine))
         except (OSError, RuntimeError, ValueError) as e:
             logger.warning("this process cannot write its stack when asked: %s", e)
         threading.Thread(target=self._beat, name="tp-heartbeat", daemon=True).start()
