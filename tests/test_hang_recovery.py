@@ -172,3 +172,51 @@ def test_culprit_alone_on_its_node_is_found_across_nodes(workdir, test_env, etcd
     culprit_node = [err for _, err in results if "holds the job up" in err]
     assert len(culprit_node) == 1 and "rank 1 (pid" in culprit_node[0]
     assert "behind its peers" in culprit_node[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["restart", "fail"])
+def test_hang_everywhere_goes_to_the_spare_policy(workdir, test_env, reference, policy):
+    """Every rank deadlocks at the same point (beating, none behind): no culprit. After
+    twice the limit: one line, then --spare-policy: restart every worker (from the
+    script's start: no checkpoint here) or stop with exit 1."""
+    log_dir = workdir / "logs"
+    proc, out = launch(workdir, test_env, ["--nproc-per-node", "4", "--spares", "1",
+                                           "--max-restarts", "1", "--spare-policy", policy,
+                                           "--log-dir", str(log_dir), *HANG],
+                       ["--hang", "all:11:loader:deadlock"])
+    assert "tp-run: error: hang on every rank: no progress for" in proc.stderr
+    if policy == "fail":
+        assert proc.returncode == 1 and "stopping (--spare-policy fail)" in proc.stderr
+        return
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    finals = [json.loads((out / f"final_{r}.json").read_text()) for r in range(4)]
+    assert {f["checksum"] for f in finals} == {reference}
+
+
+@pytest.mark.slow
+def test_peers_whose_collective_timed_out_are_not_the_culprit(workdir, test_env, reference):
+    """A 2 s collective timeout, shorter than the 4 s hang timeout: the stopped rank's
+    healthy peers time out first and wait for the next generation; the board shows who
+    stopped, and that rank (only) is replaced; the survivors keep their processes."""
+    log_dir = workdir / "logs"
+    proc, out = launch(workdir, test_env, ["--nproc-per-node", "4", "--spares", "1",
+                                           "--log-dir", str(log_dir), "--hang-timeout", "4"],
+                       ["--hang", "2:9:forward:stop", "--collective-timeout", "2"])
+    event = hang_recovered(proc, out, log_dir, reference, 2)
+    assert "no heartbeat" in event["failed"][0]["hang"]
+
+
+@pytest.mark.slow
+def test_collectives_that_time_out_everywhere_regroup(workdir, test_env, reference):
+    """Rank 0 evaluates for 4 s, unmarked, with a 2 s collective timeout: its peers'
+    all-reduce times out, then its own fails; nobody died. The agent regroups them (the
+    same ranks in a new generation) and the job ends exact, every process kept."""
+    log_dir = workdir / "logs"
+    proc, out = launch(workdir, test_env, ["--nproc-per-node", "4", "--spares", "1",
+                                           "--log-dir", str(log_dir)],
+                       ["--eval-every", "12", "--eval-s", "4", "--collective-timeout", "2"])
+    check_completed(proc, out, reference, set())
+    assert "regrouping them in generation" in proc.stderr
+    assert all(e["reason"] == "regroup" and e["failed_ranks"] == []
+               for e in recoveries(log_dir))

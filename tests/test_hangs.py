@@ -130,3 +130,11 @@ def test_a_recovery_or_a_single_rank_resets_the_window():
     st.observe(9.6, {0: mark(stage=Stage.JOINING, gen=1), 1: mark(gen=1)})
     assert _sample(st, 9.7, 96, {0: 97, 1: 96}) is None  # a fresh window
     assert hangs.FACTOR == 20.0
+
+
+def test_all_waiting_means_every_rank_of_the_generation_waits():
+    waiting = {0: mark(stage=Stage.WAITING, gen=2), 1: mark(stage=Stage.WAITING, gen=2)}
+    assert hangs.all_waiting(waiting, 2)
+    assert not hangs.all_waiting(waiting, 3)  # an older generation's wait: being handled
+    assert not hangs.all_waiting({**waiting, 2: mark(gen=2)}, 2)  # one still trains
+    assert not hangs.all_waiting({}, 2)

@@ -12,10 +12,12 @@ itself. ``--crash-step S``: every rank raises at step S, every time (a script bu
 registered object that SIGKILLs its process while the state is moved (``donor``: when a
 donor snapshots it; ``newcomer``: when a newcomer loads it; ``newcomer-stop``: the
 newcomer SIGSTOPs itself there instead), once.
-``--hang RANK:STEP:WHERE:HOW``: the rank hangs there once per job, HOW = ``stop`` (SIGSTOP
+``--hang RANK:STEP:WHERE:HOW``: the rank (``all``: every rank) hangs there once per job,
+HOW = ``stop`` (SIGSTOP
 to itself: a stopped process) or ``deadlock`` (its main thread blocks for good, as in a
 deadlocked data loader; WHERE ``loader`` fetches the batch); the time is written to
 ``$OUT/hang_t``. WHERE also takes ``optimizer`` (inside ``optimizer.step()``).
+``--collective-timeout S``: the group's timeout (``run(timeout=)``).
 ``--slow RANK:SECONDS``: the rank's first process (not a spare that takes it later)
 sleeps that long in every step (a throttled GPU). ``--eval-every N --eval-s S``: after
 every N steps rank 0 alone evaluates for S seconds (no collective; ``--eval-marked``:
@@ -63,6 +65,7 @@ p.add_argument("--hold-at", type=int, default=-1,
                help="after this step, each rank writes $OUT/held_<rank> and waits for $OUT/release")
 p.add_argument("--rank-at-import", action="store_true")
 p.add_argument("--hang", default="")
+p.add_argument("--collective-timeout", type=float, default=0.0)
 p.add_argument("--slow", default="")
 p.add_argument("--eval-every", type=int, default=0)
 p.add_argument("--eval-s", type=float, default=0.0)
@@ -117,9 +120,12 @@ def maybe_hang(where: str, step: int) -> None:
     if HANG is None:
         return
     r, s, w, how = HANG
-    if int(r) == dist.get_rank() and int(s) == step and w == where:
+    rank = dist.get_rank()
+    marker = "hang" if r != "all" else f"hang_{rank}"
+    if (r == "all" or int(r) == rank) and int(s) == step and w == where \
+            and not os.path.exists(os.path.join(OUT, f"marker_{marker}")):
         wait_parked(args.parked)
-        if once("hang"):
+        if once(marker):
             with open(os.path.join(OUT, "hang_t"), "w") as f:
                 f.write(repr(time.time()))
             if how == "stop":
@@ -270,7 +276,11 @@ else:
     from tp_launch import resilient
 
     state = resilient.State(model=model, optimizer=opt, saboteur=saboteur)
-    result = resilient.run(train, state)
+    import datetime
+
+    timeout = datetime.timedelta(seconds=args.collective_timeout) \
+        if args.collective_timeout else None
+    result = resilient.run(train, state, timeout=timeout)
     final_step = state.step
 with open(os.path.join(OUT, f"final_{dist.get_rank()}.json"), "w") as f:
     json.dump({"pid": os.getpid(), "step": final_step, "checksum": result}, f)

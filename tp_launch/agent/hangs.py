@@ -33,6 +33,12 @@ nodes' ranks as they published them (``tp-run status``'s documents, every few se
 and kills only its own culprits (a hang everywhere across nodes is reported, not acted
 on).
 
+**Regrouping.** Ranks whose collectives all failed (every one timed out, or one was
+slower than the group's timeout and the others gave up) while no process died wait for a
+new generation that no death will bring: :func:`all_waiting` says so, and the agent
+announces the same placement again (single node; across nodes the ranks give up after
+``RECOVERY_WAIT_S`` and are replaced as dead ones).
+
 **A plain script** (one that does not use ``tp_launch.resilient``: no board) has only its
 output to show: :class:`OutputClock` says how long no worker of the node wrote anything
 (``/proc/<pid>/io``); past ``--hang-timeout`` (given explicitly: a quiet script is not
@@ -133,6 +139,15 @@ class ProgressClock:
     def step_s(self) -> float:
         """The median recent step time (0: none seen)."""
         return statistics.median(self._step_times) if self._step_times else 0.0
+
+
+def all_waiting(marks: dict[int, Mark], gen: int) -> bool:
+    """Every rank's collective failed in generation ``gen`` (a timeout everywhere: one
+    rank was too slow for the group's timeout) while none died: they wait for a
+    generation nobody would announce. The agent regroups them (the same placement in
+    a new generation)."""
+    return bool(marks) and all(m.stage == Stage.WAITING and m.gen == gen
+                               for m in marks.values())
 
 
 @dataclass

@@ -264,6 +264,17 @@ class Recoverer:
                        boundary)
         return f"ok: rank {rank} moves to spare pid {pid} after step {boundary}"
 
+    def regroup(self) -> None:
+        """Every rank waits for a generation and none died (their collectives failed or
+        timed out everywhere): the same placement again, in a new generation."""
+        at = self.attempt
+        g = at.gen
+        new = Generation(g.gen + 1, g.ranks, at.gens.store, [], "regroup")
+        if at.gens.publish(new):
+            logger.warning("every rank's collective failed and no process died: "
+                           "regrouping them in generation %s", new.gen)
+            self.apply(new, time.time(), [])
+
     def on_world_change(self) -> None:
         """Act on what the job's state says now (one node: its own view, which only
         ever ends the job)."""

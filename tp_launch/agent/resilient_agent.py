@@ -99,6 +99,8 @@ logger = logging.getLogger(__name__)
 _VIEW_POLL_S = 2.0
 # Multi-node: seconds between two publications of this node's status (tp-run status).
 _STATUS_EVERY_S = 2.0
+# How long every rank may wait for a generation, none dead, before they are regrouped.
+_REGROUP_AFTER_S = 1.0
 # How long a rank whose collective failed waits for its agent's next generation before
 # it fails with an error (tp_launch.resilient.runtime.RECOVERY_WAIT_S). Ranks that gave
 # up because the rendezvous backend was down meanwhile fail together, at one step: that
@@ -371,6 +373,11 @@ class ResilientAgent(NodeAgent):
         if not marks:
             return
         idle = at.clock.observe(now, marks)
+        if self.config.max_nodes == 1 and hangs.all_waiting(marks, at.world.gen):
+            # (A death is seen within a tick: give it a moment to be the reason.)
+            if now - at.clock.since > _REGROUP_AFTER_S:
+                self.recoverer.regroup()
+            return
         verdict = hangs.assess(self.hang_policy, now, marks, idle, at.clock.step_s,
                                at.clock.committed)
         if self.config.max_nodes > 1 and (verdict is None or verdict.kind == "everywhere") \
