@@ -142,7 +142,7 @@ def test_json_document():
     assert "op" not in doc and doc["gen"] == 3
     assert doc["ranks"][1] == {"rank": 1, "pid": 1001, "slot": 1, "step": 57, "step_s": 0.0123,
                                "gen": 3, "stage": "training", "commit_age_s": 0.05,
-                               "beat_age_s": 0.01, "node": ""}
+                               "beat_age_s": 0.01, "node": "", "seq": 0}
     assert doc["parked"] == [{"slot": 100, "pid": 2000, "node": ""}]
     assert doc["recoveries"][0]["failed_ranks"] == [1]
     json.dumps(doc)
