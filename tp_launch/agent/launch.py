@@ -38,7 +38,8 @@ def run_agent(config: LaunchConfig) -> int:
         logger.warning(OMP_WARNING)
         os.environ["OMP_NUM_THREADS"] = "1"
     GUARDIAN.start()  # forks: before any thread exists
-    watch = SignalWatch(config.signals_to_handle)
+    watch = SignalWatch(config.signals_to_handle,
+                        [config.preempt_signal] if config.on_preempt != "ignore" else [])
     try:
         code = _run_agent(config, watch)
     finally:
