@@ -8,6 +8,7 @@ torchrun's failure-free checksum, the other node's ranks keep their processes, a
 moved ranks have new ones.
 """
 
+# ruff: noqa: F811  (the `reference` fixture, imported from test_resilient, is a parameter)
 from __future__ import annotations
 
 import os
@@ -23,6 +24,7 @@ from tests.test_resilient import (  # noqa: F401  (reference: a fixture)
     STEPS,
     _parked,
     _ranks,
+    _status,
     _wait,
     all_held,
     background,
@@ -208,6 +210,11 @@ def _moves_a_node(workdir: Path, test_env: dict[str, str], reference: str, etcd_
         moved, stayed = _ranks(victim), _ranks(other)
         first = {e[0][0]: pid for pid, e in entries(out).items()}
         if warn == "signal":
+            # As Slurm's --signal does: to every process of the node (workers ignore it).
+            status = _status(victim)
+            assert status is not None
+            for pid in [*status.ranks.values(), *status.parked_spares]:
+                os.kill(pid, signal.SIGUSR1)
             victim.send_signal(signal.SIGUSR1)
         else:
             (out / f"unhealthy{agents.index(victim)}").touch()
