@@ -274,3 +274,20 @@ def test_preemption_without_a_spare_stops_the_job(workdir, test_env, etcd_server
         "node" in lines[0] and "stopping the job" in lines[0], err[-3000:]
     assert all(rc != 0 for rc, _ in results)
     assert not list(out.glob("final_*.json"))
+
+
+@pytest.mark.slow
+def test_on_preempt_stop_stops_the_job_in_one_line(workdir, test_env):
+    with background(workdir, test_env, ["--nproc-per-node", "2", "--spares", "1",
+                                        "--on-preempt", "stop", SCRIPT, "--steps",
+                                        str(STEPS), "--hold-at", "2"]) as (proc, out, _):
+        _wait(lambda: all((out / f"held_{r}").exists() for r in range(2)), "ranks train")
+        first = {e[0][0]: pid for pid, e in entries(out).items()}
+        proc.send_signal(signal.SIGUSR1)
+        _, stderr = proc.communicate(timeout=HANG_TIMEOUT)
+    assert proc.returncode == 1, stderr[-3000:]
+    lines = [line for line in stderr.splitlines() if line.startswith("tp-run: error:")]
+    assert lines == ["tp-run: error: preemption notice (SIGUSR1); stopping the job (its "
+                     "ranks stop now: the script's last checkpoint is where a restart "
+                     "resumes)"], stderr[-3000:]
+    assert len(first) == 2 and not list(out.glob("final_*.json"))

@@ -14,10 +14,13 @@ Two sources warn that this node will fail before it does:
   failure (a non-zero exit, or the timeout) counts as a preemption notice with
   ``migrate``, once, and logs one line with the command's last output line.
 
-``migrate`` that cannot happen (no spare parked on another node, nor, on a job of one
-node, enough on this one) falls back to ``stop``. A migration that cannot happen *yet*
-(a recovery in progress, another node's generation published meanwhile, the rendezvous
-backend unreachable) is tried again every :data:`RETRY_S` seconds.
+A node that holds no rank (a spare node) has nothing to move or stop: a warning there
+only takes its spares out of the pool. ``migrate`` that cannot happen (no spare parked
+on another node, nor, on a job of one node, enough on this one) falls back to ``stop``.
+A migration that cannot happen *yet* (a recovery in progress, another node's generation
+published meanwhile, the rendezvous backend unreachable) is tried again every
+:data:`RETRY_S` seconds. The signal is never forwarded to the workers, and they start
+with it ignored (:func:`tp_launch.procs.worker.ignore_in_workers`).
 
 :class:`Advance` is the pure decision (what to do now, what a migration's outcome
 means); :func:`health_verdict` reads one run of the check. :class:`HealthCheck` is the

@@ -310,8 +310,12 @@ class Recoverer:
         mine = sorted(world.slot_of)
         if at.draining:
             return "ok", "ok: this node's ranks have moved already"
-        if not mine:
-            return "impossible", "error: this node holds no rank"
+        if not mine and not at.unplaced:
+            # A spare node (or one its ranks left): nothing to move; its spares leave
+            # the pool.
+            at.draining = True
+            self.write_status()
+            return "ok", "ok: this node holds no rank; its spares take none from now on"
         if not at.resilient:
             return "impossible", ("error: the script does not use tp_launch.resilient: its "
                                   "ranks cannot move")

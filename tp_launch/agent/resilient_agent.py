@@ -383,6 +383,8 @@ class ResilientAgent(NodeAgent):
         action = adv.due(now)
         if action is None or at.exiting:
             return
+        if not at.world.slot_of and not at.unplaced:
+            action = "migrate"  # no rank here: nothing to stop, its spares leave the pool
         if action == "migrate":
             outcome, reply = self.recoverer.migrate_node(evidence=adv.why or "")
             if adv.outcome(outcome, now) is None:
