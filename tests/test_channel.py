@@ -91,7 +91,7 @@ def _line(**doc):
      "t must be a number"),
     (_line(op="fatal", kind="oops", message="m", rank=None, gen=0), channel.TO_AGENT,
      "kind must be one of"),
-    (_line(op="migrate", rank=None), channel.TO_AGENT, "rank must be an integer"),
+    (_line(op="migrate", rank="1"), channel.TO_AGENT, "rank must be an integer"),
     (_line(op="generation", gen=1, rank=0, world_size=1, master_addr="a", master_port=0,
            reason="start"), channel.TO_WORKER, "master_port must be at least 1"),
     (_line(op="generation", gen=1, rank=0, world_size=1, master_addr="a", master_port=1,
@@ -111,6 +111,10 @@ def test_bad_lines_are_refused_in_one_line(line, accept, error):
 def test_unknown_fields_are_ignored():
     line = _line(op="migrate", rank=1, later="a field of a newer tp-run")
     assert channel.decode(line, channel.TO_AGENT) == channel.Migrate(rank=1)
+    # No rank: every rank of the agent's node (tp-run migrate --node).
+    assert channel.decode(b'{"op": "migrate"}', channel.TO_AGENT) == channel.Migrate()
+    assert channel.decode(b'{"op": "migrate", "rank": null}', channel.TO_AGENT) == \
+        channel.Migrate(rank=None)
 
 
 def test_messages_are_checked_when_built():

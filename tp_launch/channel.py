@@ -40,7 +40,8 @@ to the agent (:data:`TO_AGENT`)
         (``state_lost``: no rank holds the committed state; ``diverged``: the ranks'
         states differ; ``usage``: the script's loop does not mark its iterations). The
         agent stops the job with that line (``state_lost``: ``--spare-policy``).
-    :class:`Migrate` ``migrate`` {rank}: ``tp-run migrate`` asks for a planned migration.
+    :class:`Migrate` ``migrate`` {rank}: ``tp-run migrate`` asks for a planned migration
+        (rank None: every rank of the agent's node, ``--node``).
     :class:`Status` ``status`` {}: ``tp-run status`` asks what the agent's job does.
 to a worker (:data:`TO_WORKER`)
     :class:`NewGeneration` ``generation`` {gen, rank (None: not a rank), world_size,
@@ -316,7 +317,7 @@ class Fatal(Message):
 @dataclass(frozen=True)
 class Migrate(Message):
     op: ClassVar[str] = "migrate"
-    rank: Count
+    rank: Count | None = None
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from tp_launch.config import (
     parse_local_ranks_filter,
     parse_nnodes,
     parse_nproc_per_node,
+    parse_preempt_signal,
     parse_rdzv_conf,
     parse_signals,
     parse_std_map,
@@ -147,6 +148,20 @@ def _opt(*names: str, **kwargs: Any) -> Callable:
 @_opt("--straggler-window", "--straggler_window", default=60.0,
       type=click.FloatRange(min=1.0),
       help="tp-run: seconds a rank must stay slow before it is taken for a straggler.")
+@_opt("--on-preempt", "--on_preempt", default="ignore",
+      type=click.Choice(["migrate", "stop", "ignore"]),
+      help="tp-run (with --spares): what --preempt-signal does: migrate this node's ranks "
+      "to parked spares on other nodes (stop if none can take them), stop the job, or "
+      "ignore (not handled by tp-run, as torchrun).")
+@_opt("--preempt-signal", "--preempt_signal", default="SIGUSR1",
+      help="tp-run: the preemption notice's signal (under Slurm: --signal=USR1@120).")
+@_opt("--health-check", "--health_check", default=None,
+      help="tp-run (with --spares): a shell command run every --health-interval seconds "
+      "(that long at most); its first failure migrates this node's ranks, as "
+      "--on-preempt migrate.")
+@_opt("--health-interval", "--health_interval", default=30.0,
+      type=click.FloatRange(min=0.0, min_open=True),
+      help="tp-run: seconds between two runs of --health-check (also its timeout).")
 @click.argument("training_script", envvar=None)
 @click.argument("training_script_args", nargs=-1, type=click.UNPROCESSED)
 def tp_run(**opts: Any) -> int:
@@ -206,9 +221,15 @@ def config_from_options(opts: dict[str, Any]) -> LaunchConfig:
     # click's FloatRange lets nan and inf through (nan compares false with the bounds).
     check_seconds(opts["monitor_interval"], "--monitor-interval")
     check_seconds(opts["spare_wait_timeout"], "--spare-wait-timeout")
-    for option in ("hang_timeout", "straggler_factor", "straggler_window"):
+    for option in ("hang_timeout", "straggler_factor", "straggler_window", "health_interval"):
         if opts[option] is not None:
             check_seconds(opts[option], "--" + option.replace("_", "-"))
+    preempt_signal = parse_preempt_signal(opts["preempt_signal"])
+    health_check = opts["health_check"] or None
+    if opts["spares"] == 0 and (opts["on_preempt"] != "ignore" or health_check):
+        flag = f"--on-preempt {opts['on_preempt']}" if opts["on_preempt"] != "ignore" \
+            else "--health-check"
+        raise ConfigError(f"{flag} needs resilient mode (--spares K)")
 
     return LaunchConfig(
         min_nodes=min_nodes,
@@ -250,6 +271,10 @@ def config_from_options(opts: dict[str, Any]) -> LaunchConfig:
         hang_timeout=opts["hang_timeout"],
         straggler_factor=opts["straggler_factor"],
         straggler_window=opts["straggler_window"],
+        on_preempt=opts["on_preempt"],
+        preempt_signal=preempt_signal,
+        health_check=health_check,
+        health_interval=opts["health_interval"],
     )
 
 

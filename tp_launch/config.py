@@ -66,6 +66,11 @@ class LaunchConfig:
             :data:`DEFAULT_HANG_TIMEOUT`, compatible mode off).
         straggler_factor: resilient mode: a rank that needs this many times its peers'
             time per step for ``straggler_window`` seconds migrates to a spare (0: off).
+        on_preempt, preempt_signal: resilient mode: what ``preempt_signal`` does
+            (``migrate`` this node's ranks, ``stop`` the job, ``ignore``: not handled);
+            see :mod:`tp_launch.agent.advance`.
+        health_check, health_interval: resilient mode: a shell command run every
+            ``health_interval`` seconds; its first failure moves this node's ranks.
     """
 
     min_nodes: int = 1
@@ -111,6 +116,10 @@ class LaunchConfig:
     hang_timeout: float | None = None
     straggler_factor: float = 2.0
     straggler_window: float = 60.0
+    on_preempt: str = "ignore"
+    preempt_signal: signal.Signals = signal.SIGUSR1
+    health_check: str | None = None
+    health_interval: float = 30.0
 
     def hang_timeout_for(self, resilient: bool) -> float:
         """The hang timeout in force (0: off): given, or the mode's default."""
@@ -257,6 +266,23 @@ def parse_signals(value: str) -> list[signal.Signals]:
             raise ConfigError(f"--signals-to-handle: {name!r} is not a signal tp-run can handle")
         sigs.append(sig)
     return sigs
+
+
+def parse_preempt_signal(value: str) -> signal.Signals:
+    """``--preempt-signal``: a signal name (``SIGUSR1``, ``USR1``) or number."""
+    name = value.strip().upper()
+    sig: object = None
+    if name.isdigit():
+        try:
+            sig = signal.Signals(int(name))
+        except ValueError:
+            sig = None
+    else:
+        sig = getattr(signal, name if name.startswith("SIG") else "SIG" + name, None)
+    if not isinstance(sig, signal.Signals) or sig in (signal.SIGKILL, signal.SIGSTOP,
+                                                       signal.SIGCHLD):
+        raise ConfigError(f"--preempt-signal: {value!r} is not a signal tp-run can handle")
+    return sig
 
 
 def check_seconds(seconds: float, what: str) -> float:

@@ -1,4 +1,5 @@
-"""``tp-run migrate --rank R``: move a rank of a running job to a parked spare.
+"""``tp-run migrate --rank R``: move a rank of a running job to a parked spare;
+``tp-run migrate --node``: move every rank of the agent's node.
 
 The agent of a resilient job listens on ``<control dir>/<agent pid>.sock``, in a control
 directory private to the user who runs the job (:mod:`tp_launch.control_files`); its
@@ -7,7 +8,9 @@ command finds the caller's own agents there (the only one running, or the one na
 ``--run-id`` or ``--agent-pid``), asks it to migrate the rank, and prints its answer.
 The agent stops every rank right after a step boundary a couple of steps ahead, the
 rank hands its state to the spare and exits 0, and training goes on with no step
-recomputed.
+recomputed. ``--node`` does this for every rank of the node at once, to parked spares on
+other nodes (a spare node first; with no other node, this node's own spares if it has
+one for each rank): what a preemption notice does (``--on-preempt migrate``).
 
 Only the job's owner can do this: another user's jobs are not listed, an
 ``--agent-pid`` of another user's process is refused with an error, and the agent itself
@@ -93,11 +96,16 @@ def ask(agent: AgentStatus, request: channel.Message, answer: type[_M]) -> _M:
 
 
 @click.command(name="tp-run migrate", context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--rank", type=click.IntRange(min=0), required=True, help="Global rank to move.")
+@click.option("--rank", type=click.IntRange(min=0), default=None, help="Global rank to move.")
+@click.option("--node", is_flag=True,
+              help="Move every rank of the agent's node (to other nodes' parked spares).")
 @click.option("--run-id", default=None, help="The job's --rdzv-id (when several jobs run).")
 @click.option("--agent-pid", type=int, default=None, help="The tp-run agent's pid.")
-def migrate(rank: int, run_id: str | None, agent_pid: int | None) -> None:
-    """Move RANK of a running resilient job to a parked spare at the next step boundary."""
+def migrate(rank: int | None, node: bool, run_id: str | None, agent_pid: int | None) -> None:
+    """Move RANK (or every rank of the node) of a running resilient job to parked spares
+    at the next step boundary."""
+    if (rank is None) == (not node):
+        raise click.UsageError("give one of --rank R or --node")
     message = ask(pick_agent(run_id, agent_pid), channel.Migrate(rank), channel.Reply).message
     click.echo(f"tp-run migrate: {message}")
     sys.exit(0 if message.startswith("ok") else 1)

@@ -91,6 +91,8 @@ class Attempt:
     remote_read: float = 0.0  # monotonic: the last read of the other nodes' status
     hung: dict[int, str] = field(default_factory=dict)  # rank -> why it was killed as hung
     origin: dict[int, int] = field(default_factory=dict)  # rank -> slot of its last holder
+    # This node's ranks moved away on an advance warning: its spares take no rank.
+    draining: bool = False
 
     def slot_rank(self, slot: int) -> int | None:
         return self.world.rank_of(slot)

@@ -9,6 +9,8 @@ decisions:
 - :func:`place`: give every rank that lost its process a node with a parked spare:
   the rank's own node first for a dead process, a spare node first for a lost node,
   then the other nodes; None when there are not enough spares;
+- :func:`evacuate`: homes for every rank of a node that will go away (a preemption
+  notice, a failed health check, ``tp-run migrate --node``);
 - :meth:`World.apply`: take a generation on this node: keep the processes whose rank
   stayed, promote parked spares into the new ranks, release the rest;
 - :class:`CrashLoop`: a rank that fails with an error again at the step of the previous
@@ -105,6 +107,32 @@ def place(lost: dict[int, str], ranks: dict[int, str], parked: dict[str, int],
             free[target] -= 1
             new[rank] = target
     return new
+
+
+def evacuate(node: str, ranks: dict[int, str], parked: dict[str, int],
+             others: list[str]) -> dict[int, str] | None:
+    """The placement that moves every rank of ``node`` to parked spares elsewhere.
+
+    Args:
+        node: the node whose ranks move.
+        ranks: the current placement (rank -> node).
+        parked: node -> parked spares it has.
+        others: the other live nodes to try, best first (spare nodes, then the nodes
+            that hold ranks).
+
+    Returns:
+        The new placement (all to one node if one can take them all, else spread), or
+        None when too few spares are parked elsewhere. With no other node at all, the
+        node's own parked spares, if there are enough (the placement stays: every rank
+        gets a new process on the same node).
+    """
+    mine = {r: n for r, n in ranks.items() if n == node}
+    if not mine:
+        return None
+    order = [n for n in others if n != node]
+    if order:
+        return place(mine, ranks, parked, order)
+    return dict(ranks) if parked.get(node, 0) >= len(mine) else None
 
 
 @dataclass

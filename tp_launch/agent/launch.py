@@ -19,6 +19,7 @@ from tp_launch.agent.resilient_agent import ResilientAgent
 from tp_launch.config import ConfigError, LaunchConfig
 from tp_launch.procs.guardian import GUARDIAN
 from tp_launch.procs.logs import LogLayout
+from tp_launch.procs.worker import ignore_in_workers
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,9 @@ def run_agent(config: LaunchConfig) -> int:
         logger.warning(OMP_WARNING)
         os.environ["OMP_NUM_THREADS"] = "1"
     GUARDIAN.start()  # forks: before any thread exists
-    watch = SignalWatch(config.signals_to_handle)
+    notices = [config.preempt_signal] if config.on_preempt != "ignore" else []
+    ignore_in_workers(notices)  # a scheduler may signal every process: the agent acts
+    watch = SignalWatch(config.signals_to_handle, notices)
     try:
         code = _run_agent(config, watch)
     finally:

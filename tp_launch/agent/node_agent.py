@@ -84,13 +84,22 @@ class SignalWatch:
     There it enters :meth:`interruptible`: a signal then raises :class:`SignalReceived`
     at once in the main thread, out of whatever wait it is in (``Event.wait``,
     ``time.sleep`` and gRPC's waits all run signal handlers), as torchrun's handler does.
+
+    ``notices`` (a preemption notice, :mod:`tp_launch.agent.advance`) are signals of
+    another kind: never forwarded, never raised, only queued for the agent's loop
+    (:meth:`take_notices`); one that is also in ``signals`` is a notice.
     """
 
-    def __init__(self, signals: list[signal.Signals]) -> None:
+    def __init__(self, signals: list[signal.Signals],
+                 notices: list[signal.Signals] | None = None) -> None:
         self._pipe = WakeupPipe()
         self.pending: list[signal.Signals] = []
+        self._notices: list[signal.Signals] = []
         self._raise = False
-        self._old = {sig: signal.signal(sig, self._on_signal) for sig in signals}
+        notices = notices or []
+        self._old = {sig: signal.signal(sig, self._on_signal) for sig in signals
+                     if sig not in notices}
+        self._old.update({sig: signal.signal(sig, self._on_notice) for sig in notices})
         self._old_wakeup = signal.set_wakeup_fd(self._pipe.write_fd, warn_on_full_buffer=False)
 
     @property
@@ -103,6 +112,14 @@ class SignalWatch:
         if self._raise:
             self._raise = False  # once: the shutdown that follows runs to its end
             raise SignalReceived(sig)
+
+    def _on_notice(self, signum: int, _frame: object) -> None:
+        self._notices.append(signal.Signals(signum))
+
+    def take_notices(self) -> list[signal.Signals]:
+        """The notices received since the last call."""
+        taken, self._notices = self._notices, []
+        return taken
 
     @contextlib.contextmanager
     def interruptible(self) -> Iterator[None]:

@@ -13,6 +13,11 @@ a rank's death, a message, a change of the job's state) through the attempt's st
   to this node's processes; :meth:`Recoverer.fill_unplaced` gives a spare that parks
   late a rank still without a process;
 - :meth:`Recoverer.migrate`: a planned migration (``tp-run migrate``);
+  :meth:`Recoverer.migrate_node`: every rank of this node to parked spares elsewhere
+  (``tp-run migrate --node``, an advance warning: :mod:`tp_launch.agent.advance`), each
+  retiring rank handing its state to its receiver directly, across nodes too (the
+  receiving node's :meth:`Recoverer.apply` gives its promoted spare the receiver's role
+  when the rank's previous node is alive);
 - :meth:`Recoverer.on_world_change`: what the job's state says now (another node's
   generation, a lost node, a restart or stop asked for, the job's end);
 - :meth:`Recoverer.fatal`, :meth:`Recoverer.state_lost`, :meth:`Recoverer.failure_result`:
@@ -35,8 +40,9 @@ from rendezvous import RendezvousError
 from rendezvous.kv import KVError, KVUnavailable
 from rendezvous.membership import CHANGE_FAILURE, CHANGE_LOST, WorldChange
 from tp_launch import channel
+from tp_launch.agent.advance import Outcome
 from tp_launch.agent.attempt import Attempt
-from tp_launch.agent.control import Generation, failures_served, place
+from tp_launch.agent.control import Generation, evacuate, failures_served, place
 from tp_launch.agent.generations import View
 from tp_launch.agent.node_agent import AttemptResult
 from tp_launch.agent.processes import Processes
@@ -160,10 +166,13 @@ class Recoverer:
         raise StopJob(self.failure_result(final=policy == "fail"), final=policy == "fail")
 
     def apply(self, g: Generation, detected: float,
-              failed: list[dict[str, Any]] | None = None) -> None:
-        """Take generation ``g`` on this node and announce it to this node's ranks."""
+              failed: list[dict[str, Any]] | None = None,
+              alive_nodes: set[str] | None = None) -> None:
+        """Take generation ``g`` on this node and announce it to this node's ranks.
+        ``alive_nodes``: the live nodes, if the caller just read them (None: all)."""
         at = self.attempt
         world = at.world
+        previous = at.gen
         before = dict(world.slot_of)
         # This node's dead ranks: another node's generation gives them this node's
         # spares even where it was decided without this node's word (an outage).
@@ -183,8 +192,22 @@ class Recoverer:
                 # A planned migration: the leaving rank hands its state over.
                 handoffs[rank] = channel.Handoff("receiver", prefix)
                 at.tell(slot, at.generation_msg(None, channel.Handoff("donor", prefix)))
+            elif g.boundary is not None and rank in g.replaced and \
+                    g.ranks.get(rank, world.node) != world.node:
+                # A node migration: the receiver is on another node (which gives it the
+                # receiver's role, below, on its side).
+                at.tell(slot, at.generation_msg(None, channel.Handoff("donor", prefix)))
             else:
                 at.tell(slot, at.generation_msg(None))  # retire it
+        for rank in placed.promoted:
+            source = previous.ranks.get(rank)
+            if rank not in handoffs and g.boundary is not None and rank in g.replaced and \
+                    source not in (None, world.node) and \
+                    (alive_nodes is None or source in alive_nodes):
+                # A node migration from a live node: its retiring rank is the donor.
+                handoffs[rank] = channel.Handoff("receiver", f"tp-run/g{g.gen}/handoff/{rank}")
+        if g.reason == "migration" and before and not world.slot_of and not placed.unplaced:
+            at.draining = True  # this node's ranks left it: its spares take none
         superseded = at.recovery if at.recovery and not at.recovery.resumed else None
         if superseded is not None:
             at.recovery = None  # a failure during a recovery: one report for both
@@ -275,6 +298,63 @@ class Recoverer:
                            "regrouping them in generation %s", new.gen)
             self.apply(new, time.time(), [])
 
+    def migrate_node(self, evidence: str = "") -> tuple[Outcome, str]:
+        """Every rank of this node to parked spares elsewhere (a spare node first, then
+        the other nodes; with no other node, this node's own spares if there are enough:
+        :func:`~tp_launch.agent.control.evacuate`), in one generation with a boundary;
+        each retiring rank hands its state to its receiver. The outcome (``ok``;
+        ``retry``: not now; ``impossible``: no spare can take them) and the line for
+        ``tp-run migrate``."""
+        at = self.attempt
+        world, g = at.world, at.gen
+        mine = sorted(world.slot_of)
+        if at.draining:
+            return "ok", "ok: this node's ranks have moved already"
+        if not mine and not at.unplaced:
+            # A spare node (or one its ranks left): nothing to move; its spares leave
+            # the pool.
+            at.draining = True
+            self.write_status()
+            return "ok", "ok: this node holds no rank; its spares take none from now on"
+        if not at.resilient:
+            return "impossible", ("error: the script does not use tp_launch.resilient: its "
+                                  "ranks cannot move")
+        if at.exiting:
+            return "impossible", "error: the job is ending"
+        if at.waiting or at.deferred or at.unplaced or \
+                (at.recovery is not None and len(at.recovery.resumed) < len(mine)):
+            return "retry", "error: a recovery is in progress; try again in a moment"
+        try:
+            view = at.gens.view()
+            parked = {**at.gens.parked(), world.node: len(world.parked)}
+        except KVUnavailable as e:
+            return "retry", f"error: the rendezvous backend is unreachable: {e}"
+        if view is None:
+            return "retry", "error: the job's state cannot be read; try again"
+        others = list(dict.fromkeys(n for n in view.spare_nodes + g.nodes
+                                    if n in view.alive and n != world.node))
+        ranks = evacuate(world.node, g.ranks, parked, others)
+        if ranks is None:
+            where = "on another node" if others else \
+                f"on this node ({len(world.parked)} parked)"
+            return "impossible", f"error: no spare parked {where} for rank(s) {mine}"
+        records = [{"rank": r, "slot": s, "pid": at.procs[s].worker.pid}
+                   for r, s in sorted(world.slot_of.items())]
+        boundary = max(at.board.read(s) for s in world.slot_of.values()) + _MIGRATION_MARGIN
+        new = Generation(g.gen + 1, ranks, at.gens.store, mine, "migration", boundary)
+        try:
+            if not at.gens.publish(new):
+                return "retry", "error: the job's generation changed meanwhile; try again"
+        except KVError as e:  # unknown outcome: the next view tells (draining if it won)
+            return "retry", f"error: the rendezvous backend cannot publish the migration: {e}"
+        self.apply(new, time.time(), records)
+        if at.recovery is not None:
+            at.recovery.evidence = evidence
+        homes = sorted({ranks[r] for r in mine})
+        logger.warning("migrating rank(s) %s of this node to %s at step %s%s", mine,
+                       ", ".join(homes), boundary, f" ({evidence})" if evidence else "")
+        return "ok", f"ok: rank(s) {mine} move to {', '.join(homes)} after step {boundary}"
+
     def on_world_change(self) -> None:
         """Act on what the job's state says now (one node: its own view, which only
         ever ends the job)."""
@@ -304,7 +384,7 @@ class Recoverer:
             # its parked spares; lost nodes are looked at again below.)
             detected = at.deferred_since if at.deferred else time.time()
             at.deferred = {}
-            self.apply(g, detected)
+            self.apply(g, detected, alive_nodes=view.alive)
         if view.complete or (g.nodes and view.all_finished()):
             if not at.exiting:
                 at.gens.mark_complete()
@@ -408,7 +488,7 @@ class Recoverer:
         """The status file (for ``tp-run migrate``, ``parked_spares()`` and people)."""
         at = self.attempt
         at.control.write_status(at.status(self.run_id))
-        at.gens.set_parked(len(at.world.parked))
+        at.gens.set_parked(0 if at.draining else len(at.world.parked))
 
     def maybe_report(self) -> None:
         rec = self.attempt.recovery

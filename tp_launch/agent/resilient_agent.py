@@ -28,7 +28,10 @@ One attempt, on top of the compatible agent (:mod:`tp_launch.agent.node_agent`):
    of it): the agents tell their ranks and spares to exit; exit 0.
 
 A planned migration (``tp-run migrate --rank R``, through the control socket) is the same
-generation change with a boundary step and a handoff from R to the spare. ``tp-run
+generation change with a boundary step and a handoff from R to the spare; ``tp-run
+migrate --node`` moves every rank of the node that way, to other nodes' spares. Advance
+warnings (:mod:`tp_launch.agent.advance`: a preemption signal, ``--on-preempt``; a failed
+``--health-check``) are acted on in the loop: the node's migration, or a stop. ``tp-run
 status`` asks through the same socket and gets this node's ranks, spares and last
 recoveries (:mod:`tp_launch.agent.status`).
 
@@ -80,6 +83,7 @@ from rendezvous import RendezvousHandler, RendezvousInfo, api
 from rendezvous.membership import CHANGE_FAILURE, WorldChange
 from tp_launch import channel
 from tp_launch.agent import hangs
+from tp_launch.agent.advance import Advance, HealthCheck
 from tp_launch.agent.attempt import Attempt, Proc
 from tp_launch.agent.control import World
 from tp_launch.agent.control_server import Conn, ControlServer
@@ -120,6 +124,9 @@ class ResilientAgent(NodeAgent):
         self.attempt: Attempt  # the attempt in progress, or the last one
         self.hang_policy = hangs.HangPolicy(config.hang_timeout_for(resilient=True))
         self.recoverer: Recoverer  # the attempt's decisions
+        self.advance = Advance(config.on_preempt)  # advance warnings, once per job
+        self.health = HealthCheck(config.health_check, config.health_interval) \
+            if config.health_check else None
 
     def run(self, watch: SignalWatch) -> int:
         if self.config.max_nodes > 1 and shared_membership(self.rdzv) is None:
@@ -127,7 +134,13 @@ class ResilientAgent(NodeAgent):
                               "(--rdzv-backend etcd or c10d), not "
                               f"{self.config.rdzv_backend!r}")
         self.rdzv.accept_spare_nodes()
-        return super().run(watch)
+        if self.health is not None:
+            self.health.start()
+        try:
+            return super().run(watch)
+        finally:
+            if self.health is not None:
+                self.health.stop()
 
     def _may_restart(self) -> bool:
         return not self._no_restart
@@ -244,6 +257,8 @@ class ResilientAgent(NodeAgent):
         elif isinstance(msg, channel.Fatal):
             self.recoverer.fatal(msg)
         elif isinstance(msg, channel.Migrate):
+            if msg.rank is None:
+                return channel.Reply(self.recoverer.migrate_node()[1])
             return channel.Reply(self.recoverer.migrate(msg.rank))
         elif isinstance(msg, channel.Status):
             return status_reply(at, self.rdzv.run_id, self.layout.run_dir)
@@ -277,6 +292,7 @@ class ResilientAgent(NodeAgent):
             if at.waiting and time.monotonic() > at.wait_deadline:
                 raise StopJob(self.recoverer.failure_result(), final=True)
             self.processes.spawn_missing(at)  # a spare whose backoff delay is over
+            self._advance(watch)
             self._watch()
             if time.monotonic() - at.status_published > _STATUS_EVERY_S:
                 at.status_published = time.monotonic()
@@ -348,6 +364,43 @@ class ResilientAgent(NodeAgent):
         self.recoverer.write_status()
         if not self.attempt.exiting:  # else the job is ending: spares leave
             self.processes.spare_died(self.attempt, proc)
+
+    # ------------------------------------------------------------------ advance warnings
+
+    def _advance(self, watch: SignalWatch) -> None:
+        """A preemption notice or a failed health check: move this node's ranks (or
+        stop the job), as :class:`~tp_launch.agent.advance.Advance` decides."""
+        at, adv, now = self.attempt, self.advance, time.monotonic()
+        for sig in watch.take_notices():
+            if adv.notice(f"preemption notice ({sig.name})", now):
+                logger.warning("%s received: %s", sig.name,
+                               "moving this node's ranks" if adv.mode == "migrate"
+                               else "stopping the job")
+        failure = self.health.failure() if self.health is not None else None
+        if failure is not None:
+            logger.error("%s", failure)
+            adv.notice(failure, now, mode="migrate")
+        action = adv.due(now)
+        if action is None or at.exiting:
+            return
+        if not at.world.slot_of and not at.unplaced:
+            action = "migrate"  # no rank here: nothing to stop, its spares leave the pool
+        if action == "migrate":
+            outcome, reply = self.recoverer.migrate_node(evidence=adv.why or "")
+            if adv.outcome(outcome, now) is None:
+                if outcome == "retry":
+                    logger.info("advance warning: not yet: %s", reply)
+                return  # done, or tried again in a moment
+            why = f"{adv.why}: {reply.removeprefix('error: ')}"
+        else:
+            why = adv.why or "advance warning"
+        adv.stopped()
+        detail = f"{why}; stopping the job (its ranks stop now: the script's last " \
+            "checkpoint is where a restart resumes)"
+        print(f"tp-run: error: {detail}", file=sys.stderr, flush=True)
+        at.gens.report_failure(detail, final=True)
+        stop_workers(self.workers, signal.SIGTERM, self.config.shutdown_timeout)
+        raise StopJob(AttemptResult(change=WorldChange(CHANGE_FAILURE, detail)), final=True)
 
     # ------------------------------------------------------------------ hangs
 

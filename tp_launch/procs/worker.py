@@ -9,6 +9,11 @@ PDEATHSIG fires when the *thread* that forked the child exits, so workers must b
 spawned from a thread that lives as long as the agent: the agent spawns from its main
 thread only. The processes a worker starts itself are covered by the agent's guardian
 (:mod:`tp_launch.procs.guardian`).
+
+A preemption notice (``--on-preempt``, :mod:`tp_launch.agent.advance`) is for the agent:
+a scheduler may send it to every process of the job (Slurm's ``--signal`` signals the
+whole step), so workers start with it ignored (:func:`ignore_in_workers`; a script may
+still install its own handler).
 """
 
 from __future__ import annotations
@@ -30,11 +35,21 @@ logger = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(None, use_errno=True)
 _prctl = _libc.prctl
+_SIG_IGN = ctypes.c_void_p(1)
+_ignored: tuple[int, ...] = ()  # signals workers start with ignored
+
+
+def ignore_in_workers(sigs: list[signal.Signals]) -> None:
+    """Workers spawned from now on start with ``sigs`` ignored (kept across exec)."""
+    global _ignored
+    _ignored = tuple(int(s) for s in sigs)
 
 
 def _die_with_parent(parent_pid: int) -> None:
     """Runs in the child between fork and exec."""
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    for sig in _ignored:
+        _libc.signal(sig, _SIG_IGN)
     GUARDIAN.watch_self()  # the child is its own group leader by now (start_new_session)
     if os.getppid() != parent_pid:  # the agent died before prctl took effect
         os.kill(os.getpid(), signal.SIGKILL)

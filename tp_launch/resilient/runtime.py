@@ -334,6 +334,10 @@ class _Runner:
             if receiver:
                 got = recv_state(self.carrier, pg, 0)
                 self.state._holds = True
+                # The handed-over state is this process's restore point now: the
+                # agreement restores it (a node migration has no other holder of it).
+                self.rollback.refresh_layout()
+                self.rollback.capture()
                 return got
             if not self.rollback.restore():
                 raise StateLost("the retiring rank cannot restore its committed state")
