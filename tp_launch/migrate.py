@@ -111,13 +111,19 @@ def migrate(rank: int | None, node: bool, run_id: str | None, agent_pid: int | N
     sys.exit(0 if message.startswith("ok") else 1)
 
 
-def main(argv: list[str]) -> None:
+def run_command(command: click.Command, name: str, argv: list[str]) -> None:
+    """Run a ``tp-run`` subcommand that talks to an agent: a usage error is one line and
+    exit 2, any other error one line and exit 1, never a traceback."""
     try:
-        migrate.main(args=argv, prog_name="tp-run migrate", standalone_mode=False)
+        command.main(args=argv, prog_name=name, standalone_mode=False)
     except click.UsageError as e:
-        click.echo(f"tp-run migrate: error: {e.format_message()}", err=True)
+        click.echo(f"{name}: error: {e.format_message()}", err=True)
         sys.exit(2)
     except click.ClickException as e:
-        click.echo(f"tp-run migrate: error: {e.format_message()}", err=True)
+        click.echo(f"{name}: error: {e.format_message()}", err=True)
         sys.exit(1)
     sys.exit(0)  # --help
+
+
+def main(argv: list[str]) -> None:
+    run_command(migrate, "tp-run migrate", argv)

@@ -22,7 +22,6 @@ traceback.
 from __future__ import annotations
 
 import json
-import sys
 import time
 from dataclasses import asdict
 from typing import Any
@@ -30,7 +29,7 @@ from typing import Any
 import click
 
 from tp_launch import channel
-from tp_launch.migrate import ask, pick_agent
+from tp_launch.migrate import ask, pick_agent, run_command
 
 COMMAND = "tp-run status"
 
@@ -114,12 +113,4 @@ def status(run_id: str | None, agent_pid: int | None, as_json: bool) -> None:
 
 
 def main(argv: list[str]) -> None:
-    try:
-        status.main(args=argv, prog_name=COMMAND, standalone_mode=False)
-    except click.UsageError as e:
-        click.echo(f"{COMMAND}: error: {e.format_message()}", err=True)
-        sys.exit(2)
-    except click.ClickException as e:
-        click.echo(f"{COMMAND}: error: {e.format_message()}", err=True)
-        sys.exit(1)
-    sys.exit(0)
+    run_command(status, COMMAND, argv)
