@@ -20,8 +20,16 @@ a rank's death, a message, a change of the job's state) through the attempt's st
   when the rank's previous node is alive);
 - :meth:`Recoverer.on_world_change`: what the job's state says now (another node's
   generation, a lost node, a restart or stop asked for, the job's end);
-- :meth:`Recoverer.fatal`, :meth:`Recoverer.state_lost`, :meth:`Recoverer.failure_result`:
-  the job cannot go on (:class:`StopJob`).
+- :meth:`Recoverer.regroup`: every rank waits for a generation and none died: the same
+  placement again;
+- :meth:`Recoverer.fatal`, :meth:`Recoverer.state_lost`, :meth:`Recoverer.failure_result`,
+  :meth:`Recoverer.by_policy`, :meth:`Recoverer.stop_job`: the job cannot go on
+  (:class:`StopJob`, one ``tp-run: error:`` line).
+
+Over 400 lines on purpose: every path from "something changed" to "the next generation
+is announced" (a death, a lost node, a migration, a regroup, another node's decision)
+goes through :meth:`Recoverer.apply` and shares its bookkeeping; split, each piece would
+reach into the others' state.
 
 Each applied generation opens a recovery report (:mod:`tp_launch.agent.recovery_report`),
 written once every rank of this node took its first step, or when the next one opens.
@@ -34,7 +42,7 @@ import logging
 import signal
 import sys
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 from rendezvous import RendezvousError
 from rendezvous.kv import KVError, KVUnavailable
@@ -448,24 +456,31 @@ class Recoverer:
         detail = f"rank {msg.rank}: {msg.message}"
         if msg.kind == "state_lost":
             self.state_lost(detail)
-        print(f"tp-run: error: {detail}", file=sys.stderr, flush=True)
-        self.attempt.gens.report_failure(detail, final=True)
-        stop_workers(self.processes.workers, signal.SIGTERM, self.config.shutdown_timeout)
-        raise StopJob(AttemptResult(change=WorldChange(CHANGE_FAILURE, detail)), final=True)
+        self.stop_job(detail, detail, final=True)
 
-    def state_lost(self, detail: str) -> None:
+    def state_lost(self, detail: str) -> NoReturn:
         """No rank holds the committed state: ``--spare-policy restart`` restarts every
         worker (the script's own checkpoint applies); otherwise the job stops. Never a
         start from scratch that looks like a recovery."""
-        restart = self.config.spare_policy == "restart"
-        print(f"tp-run: error: the training state is lost ({detail}); "
-              + ("restarting every worker (--spare-policy restart)" if restart
-                 else f"stopping (--spare-policy {self.config.spare_policy})"),
-              file=sys.stderr, flush=True)
-        self.attempt.gens.report_failure(f"training state lost: {detail}", final=not restart)
+        self.by_policy(f"the training state is lost ({detail})",
+                       f"training state lost: {detail}")
+
+    def by_policy(self, line: str, report: str) -> NoReturn:
+        """The job cannot go on as it is: ``--spare-policy restart`` restarts every worker
+        (counted against ``--max-restarts``), ``fail`` and ``wait`` stop it."""
+        policy = self.config.spare_policy
+        restart = policy == "restart"
+        self.stop_job(f"{line}; " + ("restarting every worker (--spare-policy restart)"
+                                     if restart else f"stopping (--spare-policy {policy})"),
+                      report, final=not restart)
+
+    def stop_job(self, line: str, report: str, final: bool) -> NoReturn:
+        """Stop this attempt (``final``: the job) with one ``tp-run: error:`` line,
+        telling the other nodes (``report``) and stopping every process here."""
+        print(f"tp-run: error: {line}", file=sys.stderr, flush=True)
+        self.attempt.gens.report_failure(report, final=final)
         stop_workers(self.processes.workers, signal.SIGTERM, self.config.shutdown_timeout)
-        raise StopJob(AttemptResult(change=WorldChange(CHANGE_FAILURE, detail)),
-                      final=not restart)
+        raise StopJob(AttemptResult(change=WorldChange(CHANGE_FAILURE, report)), final=final)
 
     def failure_result(self, final: bool = True) -> AttemptResult:
         at = self.attempt

@@ -76,11 +76,9 @@ from __future__ import annotations
 import logging
 import selectors
 import signal
-import sys
 import time
 
 from rendezvous import RendezvousHandler, RendezvousInfo, api
-from rendezvous.membership import CHANGE_FAILURE, WorldChange
 from tp_launch import channel
 from tp_launch.agent import hangs
 from tp_launch.agent.advance import Advance, HealthCheck
@@ -91,11 +89,11 @@ from tp_launch.agent.generations import open_generations, shared_membership
 from tp_launch.agent.node_agent import AttemptResult, NodeAgent, SignalReceived, SignalWatch
 from tp_launch.agent.processes import Processes
 from tp_launch.agent.recovery import Recoverer, StopJob
-from tp_launch.agent.status import node_status, remote_marks, status_reply
+from tp_launch.agent.status import node_status, status_reply
+from tp_launch.agent.watchdog import Watchdog
 from tp_launch.config import ConfigError, LaunchConfig
 from tp_launch.procs.logs import ConsoleTail, LogLayout
 from tp_launch.procs.worker import stop_workers
-from tp_launch.progress import Mark
 
 logger = logging.getLogger(__name__)
 
@@ -103,8 +101,6 @@ logger = logging.getLogger(__name__)
 _VIEW_POLL_S = 2.0
 # Multi-node: seconds between two publications of this node's status (tp-run status).
 _STATUS_EVERY_S = 2.0
-# How long every rank may wait for a generation, none dead, before they are regrouped.
-_REGROUP_AFTER_S = 1.0
 # How long a rank whose collective failed waits for its agent's next generation before
 # it fails with an error (tp_launch.resilient.runtime.RECOVERY_WAIT_S). Ranks that gave
 # up because the rendezvous backend was down meanwhile fail together, at one step: that
@@ -122,7 +118,7 @@ class ResilientAgent(NodeAgent):
         self._no_restart = False
         self.processes = Processes(config, self.layout, self.workers)
         self.attempt: Attempt  # the attempt in progress, or the last one
-        self.hang_policy = hangs.HangPolicy(config.hang_timeout_for(resilient=True))
+        self.watchdog = Watchdog(config, self.processes, self.abort_if_quiet)
         self.recoverer: Recoverer  # the attempt's decisions
         self.advance = Advance(config.on_preempt)  # advance warnings, once per job
         self.health = HealthCheck(config.health_check, config.health_interval) \
@@ -293,7 +289,7 @@ class ResilientAgent(NodeAgent):
                 raise StopJob(self.recoverer.failure_result(), final=True)
             self.processes.spawn_missing(at)  # a spare whose backoff delay is over
             self._advance(watch)
-            self._watch()
+            self.watchdog.tick(at, self.recoverer)
             if time.monotonic() - at.status_published > _STATUS_EVERY_S:
                 at.status_published = time.monotonic()
                 at.gens.set_status(node_status(at))
@@ -397,108 +393,4 @@ class ResilientAgent(NodeAgent):
         adv.stopped()
         detail = f"{why}; stopping the job (its ranks stop now: the script's last " \
             "checkpoint is where a restart resumes)"
-        print(f"tp-run: error: {detail}", file=sys.stderr, flush=True)
-        at.gens.report_failure(detail, final=True)
-        stop_workers(self.workers, signal.SIGTERM, self.config.shutdown_timeout)
-        raise StopJob(AttemptResult(change=WorldChange(CHANGE_FAILURE, detail)), final=True)
-
-    # ------------------------------------------------------------------ hangs
-
-    def _watch(self) -> None:
-        """Read the board: a hang (kill its culprit, or the policy) or a straggler
-        (migrate it). Not while the job waits for a reason of its own (a spare, the
-        backend, the end) or the script does not use the API."""
-        at = self.attempt
-        now = time.monotonic()
-        if not at.resilient:
-            # A script that has not said hello within the startup budget is a plain one:
-            # its output is all there is to watch (hang_timeout given explicitly).
-            if self.config.hang_timeout and \
-                    now - at.started > self.hang_policy.startup:
-                self.abort_if_quiet(at.quiet, self.config.hang_timeout)
-            return
-        if not at.resilient or at.exiting or at.waiting or at.deferred or at.unplaced:
-            at.clock.reset(now)
-            at.stragglers.reset()
-            return
-        marks = {r: at.board.mark(s) for r, s in at.world.slot_of.items()
-                 if at.alive(s) and r not in at.hung}
-        if not marks:
-            return
-        idle = at.clock.observe(now, marks)
-        if self.config.max_nodes == 1 and hangs.all_waiting(marks, at.world.gen):
-            # (A death is seen within a tick: give it a moment to be the reason.)
-            if now - at.clock.since > _REGROUP_AFTER_S:
-                self.recoverer.regroup()
-            return
-        verdict = hangs.assess(self.hang_policy, now, marks, idle, at.clock.step_s,
-                               at.clock.committed)
-        if self.config.max_nodes > 1 and (verdict is None or verdict.kind == "everywhere") \
-                and idle >= self.hang_policy.limit(at.clock.step_s, at.clock.committed):
-            verdict = self._across_nodes(marks, idle, verdict)
-        if verdict is not None:
-            at.clock.reset(now)  # one verdict per limit
-            self._on_hang(verdict)
-            return
-        straggler = at.stragglers.observe(now, marks)
-        if straggler is not None:
-            logger.warning("straggler: %s; migrating it to a spare", straggler.evidence)
-            reply = self.recoverer.migrate(straggler.rank, evidence=straggler.evidence)
-            if not reply.startswith("ok"):
-                logger.warning("straggler: rank %s stays: %s", straggler.rank, reply)
-
-    def _across_nodes(self, marks: dict[int, Mark], idle: float,
-                      local: hangs.Verdict | None) -> hangs.Verdict | None:
-        """No rank of this node is behind another: compare them with the other nodes'
-        ranks as published (every few seconds). A culprit here is this node's to kill;
-        one elsewhere, its own agent's."""
-        at = self.attempt
-        now = time.monotonic()
-        if now - at.remote_read < _STATUS_EVERY_S:
-            return None
-        at.remote_read = now
-        wide = hangs.assess(self.hang_policy, now, {**remote_marks(at, now), **marks}, idle,
-                            at.clock.step_s, at.clock.committed)
-        if wide is None or wide.kind == "everywhere":
-            return local
-        here = [r for r in wide.ranks if r in marks]
-        if not here:
-            logger.info("hang: rank(s) %s on other nodes hold the job up; their agents act",
-                        wide.ranks)
-            return None
-        return hangs.Verdict("culprit", here, {r: wide.why[r] for r in here}, wide.idle_s,
-                             wide.limit_s)
-
-    def _on_hang(self, verdict: hangs.Verdict) -> None:
-        at = self.attempt
-        if verdict.kind == "culprit":
-            for rank in verdict.ranks:
-                slot = at.world.slot_of[rank]
-                pid = at.procs[slot].worker.pid
-                at.hung[rank] = verdict.why[rank]
-                stack = self.processes.stack_of(at, slot, kill=True)
-                logger.error("hang: no progress for %.1f s (limit %.1f s): rank %s (pid %s) "
-                             "holds the job up: %s; killed it, a spare takes its rank. "
-                             "Its stack:\n%s", verdict.idle_s, verdict.limit_s, rank, pid,
-                             verdict.why[rank], stack or "(not available)")
-            return
-        where = "; ".join(f"rank {r}: {verdict.why[r]}" for r in verdict.ranks)
-        if self.config.max_nodes > 1:
-            # The rank that holds these up may be on another node: its agent decides.
-            logger.warning("no progress for %.0f s and no rank of this node behind another "
-                           "(%s)", verdict.idle_s, where)
-            return
-        for rank in verdict.ranks:
-            stack = self.processes.stack_of(at, at.world.slot_of[rank], kill=False)
-            logger.error("hang: rank %s's stack:\n%s", rank, stack or "(not available)")
-        policy = self.config.spare_policy
-        restart = policy == "restart"
-        detail = (f"hang on every rank: no progress for {verdict.idle_s:.0f} s and no rank "
-                  f"behind another ({where})")
-        print(f"tp-run: error: {detail}; " + ("restarting every worker (--spare-policy "
-              "restart)" if restart else f"stopping (--spare-policy {policy})"),
-              file=sys.stderr, flush=True)
-        at.gens.report_failure(detail, final=not restart)
-        stop_workers(self.workers, signal.SIGTERM, self.config.shutdown_timeout)
-        raise StopJob(AttemptResult(change=WorldChange(CHANGE_FAILURE, detail)),
-                      final=not restart)
+        self.recoverer.stop_job(detail, detail, final=True)
