@@ -44,15 +44,11 @@ from tp_launch.agent.hangs import HangPolicy, OutputClock
 from tp_launch.agent.worker_env import worker_argv, worker_env
 from tp_launch.config import ConfigError, LaunchConfig
 from tp_launch.procs.logs import AttemptLogs, ConsoleTail, LogLayout
-from tp_launch.procs.worker import WorkerProcess, stop_workers
+from tp_launch.procs.worker import WorkerProcess, abort_with_stacks, stop_workers
 
 logger = logging.getLogger(__name__)
 
 _WORLD_CHANGED = object()  # selector tag of the rendezvous' world-change fd
-
-
-# How long a hung plain script's workers get to print their stacks and die of SIGABRT.
-_ABORT_WAIT_S = 2.0
 
 
 class SignalReceived(BaseException):
@@ -312,14 +308,7 @@ class NodeAgent:
             return
         logger.error("hang: no worker wrote anything for %.0f s (--hang-timeout %g); "
                      "ending them with their stacks (in their stderr)", silent, timeout)
-        for w in running:
-            w.abort_with_stack()
-        deadline = time.monotonic() + _ABORT_WAIT_S
-        while time.monotonic() < deadline and any(w.returncode is None for w in running):
-            time.sleep(0.05)
-        for w in running:
-            if w.returncode is None:  # it handles SIGABRT itself, and did not end
-                w.signal_group(signal.SIGKILL)
+        abort_with_stacks(running)
 
     def _fail(self, first: list[WorkerProcess], global_ranks: dict[int, int]) -> AttemptResult:
         cfg = self.config

@@ -148,33 +148,31 @@ class Processes:
         stop_workers(self.workers, signal.SIGTERM, self.config.shutdown_timeout,
                      level=logging.INFO)
 
-    def stack_of(self, at: Attempt, slot: int, kill: bool) -> str:
+    def stack_of(self, at: Attempt, slot: int) -> str:
         """The Python stack of the process in ``slot`` (every thread; "" if it could not
-        be had), then SIGKILL it if ``kill``. The process writes it itself
+        be had); the process goes on. It writes it itself
         (:mod:`tp_launch.resilient.heartbeat`): asked with SIGUSR2, continued with
-        SIGCONT in case it is stopped, given up to :data:`_STACK_WAIT_S`."""
+        SIGCONT in case it is stopped, given up to :data:`_STACK_WAIT_S`. The dump has no end
+        marker and is written frame by frame, the main thread last, by a process a loaded
+        machine may deschedule mid-dump: it counts as written once its file has not grown for
+        :data:`_STACK_QUIET_S`."""
         pid = at.procs[slot].worker.pid
         path = progress.stack_path(at.board.path, slot)
         start = _size(path)
         try:
             os.kill(pid, progress.STACK_SIGNAL)
             os.kill(pid, signal.SIGCONT)
-            # The process runs again meanwhile: kill it as soon as the stack is out.
-            deadline, last = time.monotonic() + _STACK_WAIT_S, -1
+            now = time.monotonic()
+            deadline, last, grew_at = now + _STACK_WAIT_S, start, now
             while time.monotonic() < deadline:
                 time.sleep(0.01)
                 size = _size(path)
-                if size > start and size == last:
+                if size != last:
+                    last, grew_at = size, time.monotonic()
+                elif size > start and time.monotonic() - grew_at >= _STACK_QUIET_S:
                     break  # written, and no longer growing
-                last = size
         except ProcessLookupError:
             return ""
-        finally:
-            if kill:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
@@ -192,8 +190,10 @@ def _spare_error(output: SpareOutput | None) -> str:
     line = output.last_line()[:300] or "no output"
     return f"{line} (log: {output.stderr_path})" if output.stderr_path else line
 
-# How long a process gets to write its stack; how much of it is logged.
+# How long a process gets to write its stack; how long its file must stay the same size
+# to count as written; how much of it is logged.
 _STACK_WAIT_S = 2.0
+_STACK_QUIET_S = 0.2
 _STACK_MAX = 32 * 1024
 
 

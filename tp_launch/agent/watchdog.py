@@ -4,10 +4,10 @@ At every tick of the resilient agent's loop, :meth:`Watchdog.tick` reads this no
 progress board (:mod:`tp_launch.progress`) and asks the pure decisions what they make
 of it; then it acts:
 
-- **a hang with a culprit**: log the culprit's Python stack
-  (:meth:`~tp_launch.agent.processes.Processes.stack_of`), SIGKILL it and note why
-  (``Attempt.hung``); the agent's death path then replaces it at the same step
-  (``"reason": "hang"``);
+- **a hang with a culprit**: note why (``Attempt.hung``) and end it with its Python stack
+  on its stderr (SIGABRT, :func:`~tp_launch.procs.worker.abort_with_stacks`: its exit
+  marks the dump complete, and it runs no further); the agent's death path then
+  replaces it at the same step (``"reason": "hang"``);
 - **a hang everywhere** (single node): every rank's stack, then ``--spare-policy``
   (:meth:`~tp_launch.agent.recovery.Recoverer.by_policy`); across nodes it is reported
   only (the rank that holds these up may be on another node);
@@ -36,6 +36,7 @@ from tp_launch.agent.processes import Processes
 from tp_launch.agent.recovery import Recoverer
 from tp_launch.agent.status import remote_marks
 from tp_launch.config import LaunchConfig
+from tp_launch.procs.worker import abort_with_stacks
 from tp_launch.progress import Mark
 
 logger = logging.getLogger(__name__)
@@ -120,15 +121,14 @@ class Watchdog:
 
     def _on_hang(self, at: Attempt, recoverer: Recoverer, verdict: hangs.Verdict) -> None:
         if verdict.kind == "culprit":
-            for rank in verdict.ranks:
-                slot = at.world.slot_of[rank]
-                pid = at.procs[slot].worker.pid
+            culprits = [at.procs[at.world.slot_of[r]].worker for r in verdict.ranks]
+            for rank, worker in zip(verdict.ranks, culprits):
                 at.hung[rank] = verdict.why[rank]
-                stack = self.processes.stack_of(at, slot, kill=True)
                 logger.error("hang: no progress for %.1f s (limit %.1f s): rank %s (pid %s) "
-                             "holds the job up: %s; killed it, a spare takes its rank. "
-                             "Its stack:\n%s", verdict.idle_s, verdict.limit_s, rank, pid,
-                             verdict.why[rank], stack or "(not available)")
+                             "holds the job up: %s; ending it (its stack follows on its "
+                             "stderr), a spare takes its rank", verdict.idle_s,
+                             verdict.limit_s, rank, worker.pid, verdict.why[rank])
+            abort_with_stacks(culprits)
             return
         where = "; ".join(f"rank {r}: {verdict.why[r]}" for r in verdict.ranks)
         if self.config.max_nodes > 1:
@@ -136,7 +136,7 @@ class Watchdog:
                            "(%s)", verdict.idle_s, where)
             return
         for rank in verdict.ranks:
-            stack = self.processes.stack_of(at, at.world.slot_of[rank], kill=False)
+            stack = self.processes.stack_of(at, at.world.slot_of[rank])
             logger.error("hang: rank %s's stack:\n%s", rank, stack or "(not available)")
         detail = (f"hang on every rank: no progress for {verdict.idle_s:.0f} s and no rank "
                   f"behind another ({where})")

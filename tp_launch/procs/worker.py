@@ -125,9 +125,10 @@ class WorkerProcess:
 
     def abort_with_stack(self) -> None:
         """End a hung worker with its Python stack on its stderr: SIGABRT, which
-        ``PYTHONFAULTHANDLER`` (set by the agent when hang detection is on) turns into
-        a dump of every thread; no core file (RLIMIT_CORE 0); SIGCONT first, in case
-        it is stopped."""
+        :mod:`faulthandler` turns into a dump of every thread (enabled by
+        ``PYTHONFAULTHANDLER``, which the agent sets for a plain script when hang
+        detection is on, or by :mod:`tp_launch.resilient.heartbeat`); no core file
+        (RLIMIT_CORE 0); SIGCONT after, in case it is stopped."""
         try:
             resource.prlimit(self.pid, resource.RLIMIT_CORE, (0, 0))
         except (OSError, ValueError):
@@ -154,6 +155,21 @@ class WorkerProcess:
         if self.pidfd >= 0:
             os.close(self.pidfd)
             self.pidfd = -1
+
+
+def abort_with_stacks(workers: list[WorkerProcess], wait_s: float = 2.0) -> None:
+    """End hung workers, each with its stack on its stderr
+    (:meth:`WorkerProcess.abort_with_stack`); one that has not ended ``wait_s`` later (it
+    handles SIGABRT itself, or cannot run) is SIGKILLed with its process group. Their
+    exit is how the caller learns it: the dump is complete once the process is gone."""
+    for w in workers:
+        w.abort_with_stack()
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and any(w.returncode is None for w in workers):
+        time.sleep(0.01)
+    for w in workers:
+        if w.returncode is None:
+            w.signal_group(signal.SIGKILL)
 
 
 def stop_workers(workers: list[WorkerProcess], sig: int, timeout: float,

@@ -10,14 +10,23 @@ or whose main thread holds the lock forever (a C extension that never releases i
 beating; one blocked in a collective, a data loader or a lock (the lock released) goes
 on beating, and its collective count says how far it got.
 
-The agent, when it takes a rank for the culprit of a hang, asks for the rank's Python
-stack before it kills it: ``SIGUSR2`` makes :mod:`faulthandler` (a signal handler that
-needs no lock and no Python code to run) write every thread's stack into
-``<board>.slot<N>.stack``, a file this process created in the agent's private control
-directory (without following links, owner only); the agent then sends ``SIGCONT`` (a
-stopped process runs the handler once it continues), reads the file and logs it. The
-script keeps every other signal for itself, and a SIGUSR2 handler it installed before
-``run()`` still runs after the dump.
+Stacks come from :mod:`faulthandler`, a signal handler that needs no lock and no Python
+code to run, in two ways:
+
+- the agent ends the culprit of a hang with ``SIGABRT`` (then ``SIGCONT``: a stopped
+  process runs the handler once it continues): :class:`Heartbeat` enables faulthandler
+  for the fatal signals, unless the script or ``PYTHONFAULTHANDLER`` already did, so the
+  process writes every thread's stack on its stderr and dies of it, as under torchrun
+  with ``PYTHONFAULTHANDLER=1``. Its exit tells the agent the stack is complete (a dump
+  has no end marker) and it runs no further (a continued culprit would otherwise go on
+  training while the agent waits). A segmentation fault's stack is printed the same way;
+- for a hang on every rank, where nothing is killed, the agent asks each rank with
+  ``SIGUSR2``: every thread's stack goes into ``<board>.slot<N>.stack``, a file this
+  process created in the agent's private control directory (without following links,
+  owner only), which the agent reads and logs. A SIGUSR2 handler the script installed
+  before ``run()`` still runs after the dump.
+
+The script keeps every other signal for itself.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import faulthandler
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from typing import IO
@@ -56,6 +66,11 @@ class Heartbeat:
                                   chain=callable(mine))
         except (OSError, RuntimeError, ValueError) as e:
             logger.warning("this process cannot write its stack when asked: %s", e)
+        if not faulthandler.is_enabled() and sys.__stderr__ is not None:
+            try:
+                faulthandler.enable(file=sys.__stderr__, all_threads=True)
+            except (OSError, RuntimeError, ValueError) as e:  # no usable stderr
+                logger.warning("this process cannot print its stack when it ends: %s", e)
         threading.Thread(target=self._beat, name="tp-heartbeat", daemon=True).start()
 
     def _beat(self) -> None:
