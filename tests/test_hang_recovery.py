@@ -25,6 +25,17 @@ HANG = ["--hang-timeout", "2"]
 
 
 def hang_recovered(proc, out, log_dir, ref: str, rank: int, world: int = 4) -> dict:
+    try:
+        return _hang_recovered(proc, out, log_dir, ref, rank, world)
+    except AssertionError as e:
+        # The agent's own lines and the recovery log: what a CI log must show of a failure.
+        said = "\n".join(line for line in proc.stderr.splitlines()
+                         if "tp_launch/" in line or line.startswith("tp-run"))
+        raise AssertionError(f"{e}\n--- agent:\n{said[-6000:]}\n--- recoveries:\n"
+                             f"{recoveries(log_dir)}") from None
+
+
+def _hang_recovered(proc, out, log_dir, ref: str, rank: int, world: int) -> dict:
     if world == 4:
         check_completed(proc, out, ref, {rank})
     else:
