@@ -26,7 +26,7 @@ from tp_launch.agent.failures import exit_description
 from tp_launch.agent.worker_env import spare_env, worker_argv, worker_env
 from tp_launch.config import ConfigError, LaunchConfig
 from tp_launch.procs.logs import LogLayout, RankLogs, SpareOutput
-from tp_launch.procs.worker import WorkerProcess, stop_workers
+from tp_launch.procs.worker import WorkerProcess, signal_main_thread, stop_workers
 
 logger = logging.getLogger(__name__)
 
@@ -151,16 +151,18 @@ class Processes:
     def stack_of(self, at: Attempt, slot: int) -> str:
         """The Python stack of the process in ``slot`` (every thread; "" if it could not
         be had); the process goes on. It writes it itself
-        (:mod:`tp_launch.resilient.heartbeat`): asked with SIGUSR2, continued with
-        SIGCONT in case it is stopped, given up to :data:`_STACK_WAIT_S`. The dump has no end
-        marker and is written frame by frame, the main thread last, by a process a loaded
-        machine may deschedule mid-dump: it counts as written once its file has not grown for
-        :data:`_STACK_QUIET_S`."""
+        (:mod:`tp_launch.resilient.heartbeat`): its main thread is asked with SIGUSR2
+        (:func:`~tp_launch.procs.worker.signal_main_thread`, for the reason given in
+        :meth:`~tp_launch.procs.worker.WorkerProcess.abort_with_stack`), the process
+        continued with SIGCONT in case it is stopped, given up to :data:`_STACK_WAIT_S`.
+        The dump has no end marker and is written frame by frame, the main thread last, by
+        a process a loaded machine may deschedule mid-dump: it counts as written once its
+        file has not grown for :data:`_STACK_QUIET_S`."""
         pid = at.procs[slot].worker.pid
         path = progress.stack_path(at.board.path, slot)
         start = _size(path)
         try:
-            os.kill(pid, progress.STACK_SIGNAL)
+            signal_main_thread(pid, progress.STACK_SIGNAL)
             os.kill(pid, signal.SIGCONT)
             now = time.monotonic()
             deadline, last, grew_at = now + _STACK_WAIT_S, start, now

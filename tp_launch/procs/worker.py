@@ -126,18 +126,27 @@ class WorkerProcess:
     def abort_with_stack(self) -> None:
         """End a hung worker with its Python stack on its stderr: SIGABRT, which
         :mod:`faulthandler` turns into a dump of every thread (enabled by
-        ``PYTHONFAULTHANDLER``, which the agent sets for a plain script when hang
-        detection is on, or by :mod:`tp_launch.resilient.heartbeat`); no core file
-        (RLIMIT_CORE 0); SIGCONT after, in case it is stopped."""
+        ``PYTHONFAULTHANDLER``, which the agent sets when hang detection is on, or by
+        :mod:`tp_launch.resilient.heartbeat`); no core file (RLIMIT_CORE 0); SIGCONT
+        after, in case it is stopped.
+
+        The signal goes to the main thread (``tgkill``), not to the process: faulthandler
+        reads the other threads' frames without the interpreter lock, and a thread that
+        runs meanwhile can change them under it (CPython gh-116008: the dump segfaults
+        and the main thread's frames, printed last, are lost). Sent to the process, a
+        stopped worker's SIGABRT goes to whichever thread runs first after SIGCONT (a
+        gloo thread, say) while the main thread trains on. Taken by the main thread, it
+        freezes the one that matters, and the lock the main thread holds (a stopped or
+        lock-holding hang) keeps every other Python thread still."""
         try:
             resource.prlimit(self.pid, resource.RLIMIT_CORE, (0, 0))
         except (OSError, ValueError):
             pass
-        for sig in (signal.SIGABRT, signal.SIGCONT):
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                return
+        try:
+            signal_main_thread(self.pid, signal.SIGABRT)
+            os.kill(self.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            return
 
     def signal_group(self, sig: int) -> None:
         """Send ``sig`` to the worker's process group (the worker and its helpers)."""
@@ -155,6 +164,17 @@ class WorkerProcess:
         if self.pidfd >= 0:
             os.close(self.pidfd)
             self.pidfd = -1
+
+
+def signal_main_thread(pid: int, sig: int) -> None:
+    """Send ``sig`` to process ``pid``'s main thread (whose thread id is ``pid``), or,
+    where libc has no ``tgkill`` (glibc < 2.30, musl), to the process."""
+    tgkill = getattr(_libc, "tgkill", None)
+    if tgkill is None:
+        os.kill(pid, sig)
+    elif tgkill(pid, pid, sig) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))  # ESRCH: ProcessLookupError, as os.kill
 
 
 def abort_with_stacks(workers: list[WorkerProcess], wait_s: float = 2.0) -> None:

@@ -13,18 +13,20 @@ on beating, and its collective count says how far it got.
 Stacks come from :mod:`faulthandler`, a signal handler that needs no lock and no Python
 code to run, in two ways:
 
-- the agent ends the culprit of a hang with ``SIGABRT`` (then ``SIGCONT``: a stopped
-  process runs the handler once it continues): :class:`Heartbeat` enables faulthandler
-  for the fatal signals, unless the script or ``PYTHONFAULTHANDLER`` already did, so the
-  process writes every thread's stack on its stderr and dies of it, as under torchrun
-  with ``PYTHONFAULTHANDLER=1``. Its exit tells the agent the stack is complete (a dump
-  has no end marker) and it runs no further (a continued culprit would otherwise go on
-  training while the agent waits). A segmentation fault's stack is printed the same way;
-- for a hang on every rank, where nothing is killed, the agent asks each rank with
-  ``SIGUSR2``: every thread's stack goes into ``<board>.slot<N>.stack``, a file this
-  process created in the agent's private control directory (without following links,
-  owner only), which the agent reads and logs. A SIGUSR2 handler the script installed
-  before ``run()`` still runs after the dump.
+- the agent ends the culprit of a hang with ``SIGABRT`` to its main thread (then
+  ``SIGCONT``: a stopped process runs the handler once it continues; why the main
+  thread: :meth:`tp_launch.procs.worker.WorkerProcess.abort_with_stack`):
+  :class:`Heartbeat` enables faulthandler for the fatal signals, unless the script or
+  ``PYTHONFAULTHANDLER`` already did, so the process writes every thread's stack on its
+  stderr and dies of it, as under torchrun with ``PYTHONFAULTHANDLER=1``. Its exit tells
+  the agent the stack is complete (a dump has no end marker) and it runs no further (a
+  continued culprit would otherwise go on training while the agent waits). A
+  segmentation fault's stack is printed the same way;
+- for a hang on every rank, where nothing is killed, the agent asks each rank's main
+  thread with ``SIGUSR2``: every thread's stack goes into ``<board>.slot<N>.stack``, a
+  file this process created in the agent's private control directory (without following
+  links, owner only), which the agent reads and logs. A SIGUSR2 handler the script
+  installed before ``run()`` still runs after the dump.
 
 The script keeps every other signal for itself.
 """
