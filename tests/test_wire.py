@@ -100,9 +100,9 @@ def test_state_message_from_a_peer_in_memory():
 
 def test_holding_rows_round_trip_through_an_all_gather():
     n = len(rng.GENERATORS)
-    rows = [Holding(step=40, own_step=40, used=0b101, buffers=-5,
+    rows = [Holding(step=40, own_step=40, used=0b101, buffers=-5, sharded=3,
                     generators=tuple(range(n))),
-            Holding(step=-1, own_step=39, used=0, buffers=2**62,
+            Holding(step=-1, own_step=39, used=0, buffers=2**62, sharded=0,
                     generators=tuple(-i for i in range(n)))]
     gathered = torch.cat([r.to_tensor() for r in rows])
     assert gathered.numel() == 2 * Holding.width(n)

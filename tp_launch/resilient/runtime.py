@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from tp_launch import channel, control_files
 from tp_launch.progress import Stage
-from tp_launch.resilient import group, per_rank, rng
+from tp_launch.resilient import group, per_rank, rng, sharding
 from tp_launch.resilient.ddp import Layouts
 from tp_launch.resilient.heartbeat import Heartbeat
 from tp_launch.resilient.link import AgentLink
@@ -341,6 +341,9 @@ class _Runner:
                 return got
             if not self.rollback.restore():
                 raise StateLost("the retiring rank cannot restore its committed state")
+            held = sharding.dtensor_paths(self.state.objects)
+            if held:
+                raise StateLost(sharding.not_recovered(len(held), held[0]))
             return send_state(self.carrier, pg, 1)
         finally:
             del pg
@@ -348,10 +351,11 @@ class _Runner:
     def _fatal(self, gen: channel.NewGeneration, e: Exception) -> None:
         """The job cannot go on exactly: tell the agent (it prints the one line and
         stops the job), wait to be stopped."""
-        logger.info("rank %s: %s", gen.rank, e)
+        rank = gen.rank if gen.rank is not None else self.rank  # a retiring rank: its own
+        logger.info("rank %s: %s", rank, e)
         try:
             self.link.send(channel.Fatal(kind=_fatal_kind(e), message=str(e).replace("\n", " "),
-                                         rank=gen.rank, gen=gen.gen))
+                                         rank=rank, gen=gen.gen))
         except OSError:
             pass
         self.link.wait_exit(_FATAL_WAIT_S)

@@ -46,7 +46,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from tp_launch.resilient import rng
+from tp_launch.resilient import rng, sharding
 from tp_launch.resilient.wire import encode, tensor_bytes
 
 
@@ -363,22 +363,23 @@ class State:
         for name, obj in self.objects.items():
             obj.load_state_dict(sd["objects"][name])
 
-    def digest(self, buffers: bool = True) -> str:
+    def digest(self, buffers: bool = True, sharded: bool = True) -> str:
         """A hash of the whole state (position, extra, every registered object): equal
         on two ranks exactly when their states are bit-identical. ``buffers=False``
         leaves out the modules' buffers, which differ between DDP ranks between two
         forward passes (each rank's BatchNorm statistics are its own until DDP
-        broadcasts rank 0's). The cursor's ``ended`` is left out: it says whether
-        ``train`` returned on this rank, which ranks at the same last step may differ in
-        (one was told of a failure at its last commit, another had already returned)
-        with the same training state."""
+        broadcasts rank 0's); ``sharded=False`` the DTensors, whose local pieces differ
+        from rank to rank (with them: each one's local piece). The cursor's ``ended`` is
+        left out: it says whether ``train`` returned on this rank, which ranks at the same
+        last step may differ in (one was told of a failure at its last commit, another
+        had already returned) with the same training state."""
         objects = {}
         for name, obj in self.objects.items():
             sd = obj.state_dict()
             if not buffers and isinstance(obj, torch.nn.Module):
                 own = {n for n, _ in obj.named_buffers()}
                 sd = {k: v for k, v in sd.items() if k not in own}
-            objects[name] = sd
+            objects[name] = sd if sharded else sharding.without_dtensors(sd)
         tree = {"cursor": {k: v for k, v in self.cursor.to_tree().items()
                            if k not in ("pass_rng", "ended")},
                 "extra": self.extra, "objects": objects}

@@ -42,7 +42,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from tp_launch.resilient import per_rank, rng
+from tp_launch.resilient import per_rank, rng, sharding
 from tp_launch.resilient.ddp import Layouts
 from tp_launch.resilient.group import all_gather_flat
 from tp_launch.resilient.rollback import Rollback
@@ -262,8 +262,9 @@ def agree_and_transfer(carrier: Carrier, fresh: bool,
     used = sum(1 << i for i, g in enumerate(rng.GENERATORS) if words[g] != initial[g])
     buffers = buffers_digest(rollback.committed_buffers())
     used |= (buffers != carrier.initial_buffers) << _BUFFERS_BIT
+    sharded = sharding.dtensor_paths(state.objects) if not fresh else []
     mine = Holding(step=state.step if holds else -1, own_step=state.step if held else -1,
-                   used=used, buffers=buffers,
+                   used=used, buffers=buffers, sharded=len(sharded),
                    generators=tuple(words[g] for g in rng.GENERATORS))
     gathered = torch.zeros(world * Holding.width(len(rng.GENERATORS)), dtype=torch.int64)
     all_gather_flat(gathered, mine.to_tensor())
@@ -281,6 +282,10 @@ def agree_and_transfer(carrier: Carrier, fresh: bool,
             if len({row.generators[i] for row in rows}) > 1}
         state._holds = True
         return stats
+    if any(r.sharded for r in rows):
+        # Every rank decides alike (a newcomer's model is not sharded yet): none waits.
+        raise StateLost(sharding.not_recovered(max(r.sharded for r in rows),
+                                               sharded[0] if sharded else None))
     if top < 0:
         raise StateLost("no rank holds the training state any more (every rank that "
                         "held it failed, or was cut off after its optimizer step)")
@@ -371,7 +376,7 @@ def verify(state: State) -> None:
         Diverged: naming the ranks that differ from the lowest rank's state.
     """
     world = dist.get_world_size()
-    word = bytes.fromhex(state.digest(buffers=False))
+    word = bytes.fromhex(state.digest(buffers=False, sharded=False))
     mine = torch.tensor([int.from_bytes(word[:8], "little", signed=True),
                          int.from_bytes(word[8:], "little", signed=True)], dtype=torch.int64)
     gathered = torch.zeros(world * 2, dtype=torch.int64)

@@ -66,6 +66,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from tp_launch.resilient.sharding import local_piece
+
 MAGIC = 0x5450_5253_5441_5445  # "TPRSTATE"
 VERSION = 1
 MAX_DOCUMENT = 256 << 20  # a state's structure, not its tensors: generous
@@ -167,16 +169,17 @@ class Holding:
     own_step: int
     used: int
     buffers: int
+    sharded: int  # how many DTensors the rank's state holds (tp_launch.resilient.sharding)
     generators: tuple[int, ...]
 
     def to_tensor(self) -> torch.Tensor:
         return torch.tensor([self.step, self.own_step, self.used, self.buffers,
-                             *self.generators], dtype=torch.int64)
+                             self.sharded, *self.generators], dtype=torch.int64)
 
     @staticmethod
     def width(generators: int) -> int:
         """The words of a row with ``generators`` generator digests."""
-        return 4 + generators
+        return 5 + generators
 
     @staticmethod
     def rows(gathered: torch.Tensor, world: int) -> list[Holding]:
@@ -184,7 +187,7 @@ class Holding:
         if gathered.dtype != torch.int64 or gathered.numel() % world \
                 or gathered.numel() // world < Holding.width(0):
             raise WireError(f"bad agreement of {gathered.numel()} words for {world} ranks")
-        return [Holding(r[0], r[1], r[2], r[3], tuple(r[4:]))
+        return [Holding(r[0], r[1], r[2], r[3], r[4], tuple(r[5:]))
                 for r in gathered.view(world, -1).tolist()]
 
 
@@ -323,8 +326,9 @@ def fill(tree: Any, tensors: Sequence[torch.Tensor]) -> Any:
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
-    """A CPU tensor's raw bytes (no numpy: torch's CPU wheel does not bring it)."""
-    t = t.detach()
+    """A tensor's raw bytes, through a host copy (no numpy: torch's CPU wheel does not
+    bring it); a DTensor's: its local piece's (no collective)."""
+    t = local_piece(t).detach()
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.contiguous()
