@@ -1,16 +1,23 @@
-"""Sharded state (FSDP2 DTensors) under resilient mode: a failure is not recovered peer to
-peer yet (tp_launch/resilient/sharding.py), so it must end in one line and
-``--spare-policy``, never in a hang or a newcomer holding another rank's shard. With
-``restart`` the job resumes from the script's own checkpoint and ends bit-identical to
-the failure-free torchrun run.
+"""Sharded state (FSDP2 DTensors) under resilient mode (tp_launch/resilient/sharding.py).
 
-Real processes, gloo, FSDP2 on 2 ranks: scripts/fsdp_train.py.
+With ``State(build=...)`` (the mesh, the sharded model and its optimizer built for each
+generation) a dead rank's shards come back from the ranks that hold the same pieces:
+under HSDP its replica peer. Every case ends with every rank's full parameters and
+optimizer state bit-identical to the failure-free torchrun run. Where no rank holds a
+dead rank's pieces (plain FSDP, or both replicas of a shard lost), or the script
+sharded a registered model itself (no build), the failure ends in one line and
+``--spare-policy``, never in a hang or a newcomer holding another rank's shard; with
+``restart`` the job resumes from the script's own checkpoint, exact.
+
+Real processes, gloo, FSDP2 on 2 ranks and HSDP on 4 (2 replicas x 2 shards):
+scripts/fsdp_train.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -26,6 +33,9 @@ SCRIPT = "scripts/fsdp_train.py"
 WORLD = 2
 
 
+HSDP = ["--build", "--replicas", "2"]
+
+
 def launch(workdir: Path, env: dict[str, str], launcher: list[str], launcher_args: list[str],
            script_args: list[str]) -> tuple[subprocess.CompletedProcess, Path]:
     out = workdir / "out"
@@ -35,21 +45,166 @@ def launch(workdir: Path, env: dict[str, str], launcher: list[str], launcher_arg
     return proc, out
 
 
-def finals(out: Path) -> list[dict]:
-    return [json.loads((out / f"final_{r}.json").read_text()) for r in range(WORLD)]
+def finals(out: Path, world: int = WORLD) -> list[dict]:
+    return [json.loads((out / f"final_{r}.json").read_text()) for r in range(world)]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+def torchrun_result(tmp_path_factory: pytest.TempPathFactory, world: int,
+                    script_args: list[str]) -> str:
+    """The failure-free result under torchrun (every rank's checksum: one value)."""
     workdir = tmp_path_factory.mktemp("reference")
     shutil.copytree(SCRIPTS, workdir / "scripts")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC"))}
     env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
-    proc, out = launch(workdir, env, TORCHRUN, ["--nproc-per-node", str(WORLD)], [])
+    proc, out = launch(workdir, env, TORCHRUN, ["--nproc-per-node", str(world)], script_args)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    sums = {f["checksum"] for f in finals(out)}
+    sums = {f["checksum"] for f in finals(out, world)}
     assert len(sums) == 1, sums
     return sums.pop()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return torchrun_result(tmp_path_factory, WORLD, [])
+
+
+@pytest.fixture(scope="module")
+def hsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return torchrun_result(tmp_path_factory, 4, HSDP)
+
+
+def recovered(proc: subprocess.CompletedProcess, out: Path, reference: str,
+              line: str) -> list[dict]:
+    """The job ended exact on 4 ranks, after the one recovery ``line`` names."""
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    said = [x for x in proc.stderr.splitlines() if x.startswith("tp-run:")]
+    assert len(said) == 1 and said[0].startswith(line), said
+    results = finals(out, 4)
+    assert {f["checksum"] for f in results} == {reference}, results
+    assert all(f["steps"] == 12 for f in results)
+    return results
+
+
+@pytest.mark.parametrize("where, rank, step", [
+    ("forward", 1, 6),
+    pytest.param("backward", 2, 6, marks=pytest.mark.slow),  # FSDP reduce-scattering
+    pytest.param("optimizer", 3, 7, marks=pytest.mark.slow),  # past the point of no return
+])
+def test_hsdp_rank_comes_back_from_its_replica(workdir, test_env, hsdp_reference, where,
+                                               rank, step):
+    """HSDP, 2 replicas x 2 shards: the dead rank's shard comes from the rank with the
+    same shard coordinate in the other replica group; the survivors rebuild their mesh,
+    FSDP and optimizer (State(build=...)) with their own pieces; the job goes on at the
+    step every rank committed."""
+    proc, out = launch(workdir, test_env, TP_RUN, ["--nproc-per-node", "4", "--spares", "1"],
+                       [*HSDP, "--kill-rank", str(rank), "--kill-step", "6",
+                        "--kill-where", where])
+    results = recovered(proc, out, hsdp_reference, f"tp-run: failure: rank(s) [{rank}] ")
+    assert f"at step {step};" in proc.stderr
+    assert {f["first"] for f in results} == {step}
+
+
+@pytest.mark.slow
+def test_hsdp_two_ranks_of_different_replica_groups(workdir, test_env, hsdp_reference):
+    """Ranks 1 and 2 die at once (different shards, different replica groups): each is
+    served by its own replica peer, in parallel."""
+    proc, out = launch(workdir, test_env, TP_RUN, ["--nproc-per-node", "4", "--spares", "2"],
+                       [*HSDP, "--kill-ranks", "1,2", "--kill-step", "6"])
+    recovered(proc, out, hsdp_reference, "tp-run: failure: rank(s) [")
+    assert re.search(r"rank\(s\) \[(1, 2|2, 1)\] -> spare", proc.stderr), proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("world, script_args, kill", [
+    (2, ["--build"], "1"),  # plain FSDP: one copy of each shard
+    pytest.param(4, HSDP, "1,3", marks=pytest.mark.slow),  # both replicas of shard 1
+])
+def test_a_shard_no_survivor_holds_goes_to_the_spare_policy(workdir, test_env, world,
+                                                             script_args, kill):
+    proc, out = launch(workdir, test_env, TP_RUN,
+                       ["--nproc-per-node", str(world), "--spares", "2",
+                        "--spare-policy", "fail"],
+                       [*script_args, "--kill-ranks", kill, "--kill-step", "6"])
+    assert proc.returncode != 0
+    said = [x for x in proc.stderr.splitlines() if x.startswith("tp-run: error:")]
+    assert len(said) == 1 and "held by no surviving rank" in said[0], proc.stderr[-4000:]
+    assert not list(out.glob("final_*.json"))
+
+
+@pytest.mark.slow
+def test_planned_migration_of_an_hsdp_rank(workdir, test_env, hsdp_reference):
+    """``tp-run migrate --rank 1``: the replacement receives the shard in the agreement
+    from rank 1's replica peer; no step is recomputed."""
+    out = workdir / "out"
+    out.mkdir()
+    env = {**test_env, "OUT": str(out), "OMP_NUM_THREADS": "1"}
+    proc = start_launcher(TP_RUN, ["--nproc-per-node", "4", "--spares", "1", SCRIPT, *HSDP,
+                                   "--hold-at", "4"], env, workdir)
+    try:
+        held(proc, out, 4)
+        cmd = run_launcher(TP_RUN, ["migrate", "--rank", "1", "--agent-pid", str(proc.pid)],
+                           env, workdir)
+        assert cmd.returncode == 0 and "ok: rank 1" in cmd.stdout, cmd.stdout + cmd.stderr
+        (out / "release").touch()
+        stdout, stderr = proc.communicate(timeout=HANG_TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    results = recovered(subprocess.CompletedProcess([], proc.returncode, stdout, stderr), out,
+                        hsdp_reference, "tp-run: migration: rank(s) [1] ")
+    boundary = {f["first"] for f in results}
+    assert len(boundary) == 1 and boundary.pop() > 4, results
+
+
+def test_replicas_that_differ_stop_the_job(workdir, test_env):
+    """``--verify-every 1``: rank 2's piece of a weight drifts from its replica peer's
+    (rank 0): the next check names it and the job stops, never exit 0 with diverged
+    replicas."""
+    proc, out = launch(workdir, test_env, TP_RUN,
+                       ["--nproc-per-node", "4", "--spares", "1", "--verify-every", "1"],
+                       [*HSDP, "--corrupt-rank", "2"])
+    assert proc.returncode != 0
+    said = [x for x in proc.stderr.splitlines() if x.startswith("tp-run: error:")]
+    assert len(said) == 1 and "shards differ: rank(s) [2]" in said[0], proc.stderr[-4000:]
+    assert not list(out.glob("final_*.json"))
+
+
+@pytest.mark.slow
+def test_the_hsdp_example_ends_as_under_torchrun(tmp_path, test_env):
+    """examples/train_hsdp.py (a small transformer, HSDP on 4 ranks), its README command:
+    rank 1 killed at step 10, the printed checksum is torchrun's."""
+    example = str(Path(__file__).resolve().parent.parent / "examples" / "train_hsdp.py")
+    args = ["--nproc-per-node", "4", example, "--steps", "20"]
+    env = {**test_env, "OMP_NUM_THREADS": "1"}
+    plain = run_launcher(TORCHRUN, args, env, tmp_path)
+    killed = run_launcher(TP_RUN, ["--spares", "1", *args, "--kill-rank", "1",
+                                   "--kill-step", "10"], env, tmp_path)
+    done = [re.findall(r"^done: .*params (\w+)$", p.stdout, re.M) for p in (plain, killed)]
+    assert plain.returncode == 0 and killed.returncode == 0, killed.stderr[-3000:]
+    assert done[0] and done[0] == done[1], (plain.stdout, killed.stdout)
+    assert "tp-run: failure: rank(s) [1]" in killed.stderr
+
+
+def test_donor_plan_serves_each_receiver_from_its_copy_class():
+    from tp_launch.resilient.transfer import StateLost, donor_plan
+
+    # Replicated: round-robin over every donor.
+    assert donor_plan([5, -1, 5, -1]) == {1: 0, 3: 2}
+    # HSDP 2x2, classes = shard coordinates: rank 1 from 3, rank 2 from 0.
+    assert donor_plan([5, -1, -1, 5], [(0,), (1,), (0,), (1,)]) == {1: 3, 2: 0}
+    # Two receivers of one class, two donors of it: different donors.
+    assert donor_plan([5, 5, -1, -1, 5, 5], [(0,), (0,), (0,), (0,), (1,), (1,)]) == \
+        {2: 0, 3: 1}
+    with pytest.raises(StateLost, match=r"rank\(s\) \[1\]"):
+        donor_plan([5, -1, 5, 5], [(0,), (1,), (0,), (2,)])
+
+
+def held(proc: subprocess.Popen, out: Path, world: int) -> None:
+    """Wait until every rank holds (``--hold-at``) with a spare parked."""
+    deadline = time.monotonic() + HANG_TIMEOUT
+    while not all((out / f"held_{r}").exists() for r in range(world)):
+        assert proc.poll() is None and time.monotonic() < deadline, "the ranks hold"
+        time.sleep(0.1)
 
 
 def said_sharded(stderr: str) -> list[str]:
@@ -97,10 +252,7 @@ def test_planned_migration_of_a_sharded_rank_restarts_from_the_checkpoint(workdi
                                    "--max-restarts", "1", SCRIPT, "--hold-at", "4"],
                           env, workdir)
     try:
-        deadline = time.monotonic() + HANG_TIMEOUT
-        while not all((out / f"held_{r}").exists() for r in range(WORLD)):
-            assert proc.poll() is None and time.monotonic() < deadline, "the ranks hold"
-            time.sleep(0.1)
+        held(proc, out, WORLD)
         cmd = run_launcher(TP_RUN, ["migrate", "--rank", "1", "--agent-pid", str(proc.pid)],
                            env, workdir)
         assert cmd.returncode == 0, cmd.stdout + cmd.stderr

@@ -1,13 +1,25 @@
-"""An FSDP2 job (``fully_shard``, AdamW on the DTensor parameters) that saves a full
-checkpoint (``get_state_dict(..., full_state_dict=True)``, written by rank 0) every
-``--save-every`` steps: the model is sharded and the optimizer built inside ``train``,
-the checkpoint loaded there by every rank when one exists (torch's object collectives,
-which ``broadcast_from_rank0`` uses, need numpy).
+"""An FSDP2 job (``fully_shard``, AdamW on the DTensor parameters), two ways.
 
-``--kill-rank R --kill-step S``: rank R SIGKILLs itself once per job (a marker file in
-$OUT) in step S's backward pass, after the agent has a spare parked. Every rank writes
-``final_<rank>.json``: the steps trained, the process's first step (where it started
-or resumed) and a checksum of the full parameters and optimizer state.
+``--build`` (resilient mode's sharded contract): ``State(build=...)`` builds the device
+mesh (``--replicas R``: HSDP, R replica groups x world/R shards; 1: plain FSDP), the
+sharded model and its optimizer for each generation; a failure is recovered peer to
+peer from the ranks that hold the same shards.
+
+Without it (a script written before that contract): the model is registered unsharded,
+then sharded and its optimizer built inside ``train``; such a state is not recovered
+peer to peer, so the job saves a full checkpoint (``get_state_dict(...,
+full_state_dict=True)``, written by rank 0) every ``--save-every`` steps and loads it,
+on every rank, when one exists (torch's object collectives, which
+``broadcast_from_rank0`` uses, need numpy).
+
+``--kill-rank R --kill-step S [--kill-where forward|backward|optimizer]``: rank R
+SIGKILLs itself once per job (a marker file in $OUT) in step S, after the agent has a
+spare parked: after the forward pass, inside the backward pass (a gradient hook on the
+first layer's activation: the later layers' gradients are being reduce-scattered), or
+right after the
+optimizer step. ``--kill-ranks`` for several ranks at once. Every rank writes
+``final_<rank>.json``: the steps trained, the process's first step (where it started or
+resumed) and a checksum of the full parameters and optimizer state.
 """
 
 from __future__ import annotations
@@ -28,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -35,9 +48,16 @@ from tp_launch import resilient
 
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=12)
+p.add_argument("--build", action="store_true")
+p.add_argument("--replicas", type=int, default=1)
 p.add_argument("--save-every", type=int, default=4)
 p.add_argument("--kill-rank", type=int, default=-1)
+p.add_argument("--kill-ranks", type=str, default="", help="comma-separated ranks")
 p.add_argument("--kill-step", type=int, default=-1)
+p.add_argument("--kill-where", choices=["forward", "backward", "optimizer"], default="forward")
+p.add_argument("--corrupt-rank", type=int, default=-1,
+               help="after step 3's optimizer step this rank adds 1e-3 to its piece of the "
+                    "first weight (its replica peer's copy then differs)")
 p.add_argument("--hold-at", type=int, default=-1,
                help="after committing step S (and its checkpoint) each rank, once a spare is "
                     "parked, writes held_<rank> and waits for $OUT/release")
@@ -46,18 +66,50 @@ OUT = Path(os.environ["OUT"])
 CKPT = OUT / "ckpt.pt"
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 LOAD = StateDictOptions(full_state_dict=True)
+KILL = {int(r) for r in args.kill_ranks.split(",") if r} | \
+    ({args.kill_rank} if args.kill_rank >= 0 else set())
 
-torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
-                      nn.Linear(32, 4))
+
+def new_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                         nn.Linear(32, 4))
+
+
+def shard(m: nn.Module, mesh=None) -> None:
+    for layer in m:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+
+
+def build(gen: resilient.Generation) -> dict:
+    shape = (args.replicas, gen.world_size // args.replicas)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")) \
+        if args.replicas > 1 else init_device_mesh("cpu", (gen.world_size,))
+    m = new_model()
+    shard(m, mesh)
+    return {"model": m, "optimizer": torch.optim.AdamW(m.parameters(), lr=0.01)}
 
 
 def wait_parked() -> None:
     from tp_launch.resilient import parked_spares
     deadline = time.monotonic() + 60
-    while "TP_RUN_CHANNEL" in os.environ and parked_spares() < 1 \
+    while "TP_RUN_CHANNEL" in os.environ and parked_spares() < max(1, len(KILL)) \
             and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def die_once(rank: int) -> None:
+    marker = OUT / f"killed_{rank}"
+    if not marker.exists():
+        marker.touch()
+        (OUT / "killed").touch()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def die_in_backward(module: nn.Module, inputs: object, output: torch.Tensor) -> None:
+    output.register_hook(lambda grad: die_once(dist.get_rank()))
 
 
 def checksum(m: nn.Module, opt: torch.optim.Optimizer) -> str:
@@ -74,15 +126,15 @@ def checksum(m: nn.Module, opt: torch.optim.Optimizer) -> str:
 
 def train(state: resilient.State) -> None:
     m = state.model
-    if not isinstance(m, FSDPModule):
-        for layer in m:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer)
-        fully_shard(m)
-    opt = torch.optim.AdamW(m.parameters(), lr=0.01)
+    if args.build:
+        opt = state.optimizer
+    else:
+        if not isinstance(m, FSDPModule):
+            shard(m)
+        opt = torch.optim.AdamW(m.parameters(), lr=0.01)
     first = state.step
     rank = dist.get_rank()
-    if CKPT.exists():
+    if not args.build and CKPT.exists():
         tree = torch.load(CKPT)
         set_state_dict(m, opt, model_state_dict=tree["model"],
                        optim_state_dict=tree["optim"], options=LOAD)
@@ -90,17 +142,25 @@ def train(state: resilient.State) -> None:
     for step in state.steps(args.steps):
         g = torch.Generator().manual_seed(step * 100 + rank)
         x = torch.randn(8, 16, generator=g)
-        loss = m(x).square().mean()
-        if step == args.kill_step and rank == args.kill_rank:
+        dying = step == args.kill_step and rank in KILL and not (OUT / f"killed_{rank}").exists()
+        if dying:
             wait_parked()
-            marker = OUT / "killed"
-            if not marker.exists():
-                marker.touch()
-                os.kill(os.getpid(), signal.SIGKILL)
+        hook = m[1].register_forward_hook(die_in_backward) \
+            if dying and args.kill_where == "backward" else None
+        loss = m(x).square().mean()
+        if hook is not None:
+            hook.remove()
+        if dying and args.kill_where == "forward":
+            die_once(rank)
         loss.backward()
         opt.step()
+        if step == 3 and rank == args.corrupt_rank:
+            with torch.no_grad():
+                m[0].weight.to_local().add_(1e-3)
+        if dying and args.kill_where == "optimizer":
+            die_once(rank)
         opt.zero_grad()
-        if (step + 1) % args.save_every == 0:
+        if not args.build and (step + 1) % args.save_every == 0:
             sd, osd = get_state_dict(m, opt, options=FULL)
             if rank == 0:
                 torch.save({"model": sd, "optim": osd, "step": step + 1}, f"{CKPT}.tmp")
@@ -115,4 +175,7 @@ def train(state: resilient.State) -> None:
         {"steps": state.step, "first": first, "checksum": checksum(m, opt)}))
 
 
-resilient.run(train, resilient.State(model=model))
+if args.build:
+    resilient.run(train, resilient.State(build=build))
+else:
+    resilient.run(train, resilient.State(model=new_model()))

@@ -19,7 +19,7 @@ and its diff against a plain DDP script.
 
 from tp_launch.resilient.ddp import ordered_allreduce_hook
 from tp_launch.resilient.runtime import parked_spares, run
-from tp_launch.resilient.state import GenerationChanged, ResilientUsageError, State
+from tp_launch.resilient.state import Generation, GenerationChanged, ResilientUsageError, State
 
-__all__ = ["GenerationChanged", "ResilientUsageError", "State", "ordered_allreduce_hook",
-           "parked_spares", "run"]
+__all__ = ["Generation", "GenerationChanged", "ResilientUsageError", "State",
+           "ordered_allreduce_hook", "parked_spares", "run"]

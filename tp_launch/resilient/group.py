@@ -22,6 +22,7 @@ from __future__ import annotations
 import datetime
 import gc
 import logging
+import sys
 import time
 from typing import Callable
 
@@ -88,13 +89,42 @@ def arrival_barrier(store: dist.Store, key: str, count: int, stale: Callable[[],
 
 
 def teardown() -> None:
-    """Destroy the default group (if any) and collect the objects that held it."""
+    """Destroy every group (the default one and its subgroups) and collect the objects
+    that held them: a peer blocked in a collective is released only when the groups it
+    talks through are gone here."""
     if dist.is_initialized():
         try:
             dist.destroy_process_group()
         except Exception as e:  # a broken group may complain; it is dropped either way
             logger.debug("destroy_process_group: %s", e)
     gc.collect()  # DDP and the old group's work objects sit in reference cycles
+    _release_meshes()
+
+
+def _release_meshes() -> None:
+    """A ``DeviceMesh`` keeps its groups in a registry of its own, and DTensor's
+    sharding caches keep meshes alive after every DTensor of theirs is gone: the gloo
+    connections of an HSDP replica group stayed open, and the replica peer blocked in
+    its all-reduce with this rank waited for good. The caches are emptied and any mesh
+    still alive lets go of its groups (it belongs to a generation that is over)."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    try:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+
+        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+        clear_redistribute_planner_cache()
+    except (ImportError, AttributeError) as e:  # another torch: the scan below suffices
+        logger.debug("DTensor caches: %s", e)
+    gc.collect()
+    from torch.distributed.device_mesh import DeviceMesh
+
+    for obj in gc.get_objects():
+        # type(), not isinstance(): the latter warns on torch's deprecated objects.
+        if type(obj) is DeviceMesh and isinstance(getattr(obj, "_pg_registry", None), dict):
+            obj._pg_registry.clear()
+    gc.collect()
 
 
 def all_gather_flat(output: torch.Tensor, input: torch.Tensor,

@@ -191,12 +191,21 @@ class Rollback:
         self.dirty = False
         self._seq_at_step = -1
         self._hooks: list[Any] = []
-        for opt in state.optimizers.values():
-            self._hooks.append(opt.register_step_pre_hook(self._at_optimizer_step))
+        self.rebind()
+
+    def rebind(self) -> None:
+        """Follow the state's objects after ``State.rebuild``: the new optimizers get the
+        step pre-hook, the new modules are read, nothing of the old ones is kept."""
+        self.close()
+        self._hooks = [opt.register_step_pre_hook(self._at_optimizer_step)
+                       for opt in self.state.optimizers.values()]
+        self._snapshot = _Snapshot()
+        self._modules = {}
 
     def close(self) -> None:
         for h in self._hooks:
             h.remove()
+        self._hooks = []
 
     # ------------------------------------------------------------------ capture
 

@@ -40,6 +40,7 @@ The connection to the agent (announcements in, ``hello``/``resumed``/``stepped``
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
@@ -56,17 +57,24 @@ from tp_launch.resilient.ddp import Layouts
 from tp_launch.resilient.heartbeat import Heartbeat
 from tp_launch.resilient.link import AgentLink
 from tp_launch.resilient.rollback import Rollback
-from tp_launch.resilient.state import GenerationChanged, Hooks, ResilientUsageError, State
+from tp_launch.resilient.state import (
+    Generation,
+    GenerationChanged,
+    Hooks,
+    ResilientUsageError,
+    State,
+)
 from tp_launch.resilient.transfer import (
     Carrier,
     Diverged,
     StateLost,
+    adopt,
     agree_and_transfer,
     recv_state,
     send_state,
     verify,
 )
-from tp_launch.resilient.wire import EncodeError, WireError, tensor_bytes
+from tp_launch.resilient.wire import EncodeError, StateMessage, WireError, tensor_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +117,9 @@ def run(train: Callable[[State], T], state: State, *, backend: str | None = None
     if link is None:
         if not dist.is_initialized():
             dist.init_process_group(backend, timeout=timeout)
+        if state.build is not None:
+            state.rebuild(Generation(0, dist.get_rank(), dist.get_world_size(),
+                                     _local_rank()))
         result = train(state)
         state.end()
         return result
@@ -178,6 +189,10 @@ class _Runner:
         state._holds = os.environ.get("TP_RUN_SPARE") != "1"
         self.hooks = _ResilientHooks(self)
         state.hooks = self.hooks
+        # State(build=...): whether this process built once; its committed state while
+        # it holds no built objects (between two generations).
+        self._built_once = False
+        self._kept: StateMessage | None = None
         if link.board is not None and os.environ.get(channel.ENV_HEARTBEAT) != "0":
             Heartbeat(link.board, link.slot)
 
@@ -208,7 +223,11 @@ class _Runner:
                 link.send(channel.Finished(gen=gen.gen, rank=gen.rank, step=self.state.step))
                 announced = link.wait(None)
                 if isinstance(announced, channel.Exit):
-                    return result  # the group stays up for the script's epilogue
+                    # The groups stay up for the script's epilogue, and go before the
+                    # interpreter finalizes: a gloo thread still dropping a collective
+                    # then aborts the process (seen with an HSDP mesh's subgroups).
+                    atexit.register(group.let_go)
+                    return result
             except GenerationChanged:
                 pass
             except (StateLost, Diverged, ResilientUsageError, WireError, EncodeError) as e:
@@ -233,6 +252,7 @@ class _Runner:
             self._stage(gen.gen, Stage.WAITING)
             self.state.abandon()
             self.layouts.abandon()
+            self._release_built()
             group.teardown()
             announced = link.wait(RECOVERY_WAIT_S)
             if announced is None:
@@ -259,6 +279,8 @@ class _Runner:
         os.environ.update({"RANK": str(gen.rank), "WORLD_SIZE": str(gen.world_size),
                            "ROLE_RANK": str(gen.rank), "ROLE_WORLD_SIZE": str(gen.world_size)})
         fresh = gen.reason == "start"
+        if state.build is not None:
+            self._rebuild(gen)
         stats = agree_and_transfer(self.carrier, fresh=fresh, predecessor=self._predecessor(gen))
         self.layouts.keep_buffers = not fresh
         self.rollback.refresh_layout()
@@ -273,6 +295,47 @@ class _Runner:
         if link.board is not None:
             link.board.write(link.slot, state.step)
         link.joined()
+
+    def _release_built(self) -> None:
+        """``State(build=...)``, training stopped: keep this rank's committed state as
+        plain local pieces (:meth:`Carrier.message`) and let go of the objects build
+        made. They hold the generation's subgroups (FSDP keeps its mesh's groups): a
+        peer blocked in a collective of a subgroup without the dead rank (HSDP's
+        replicas all-reducing) is released only when those groups are dropped here, as
+        the default group's peers are by :func:`group.teardown`."""
+        state, rollback = self.state, self.rollback
+        if not state.built:
+            return
+        self._kept = None
+        if state._holds:
+            if rollback.restore():
+                self._kept = self.carrier.message()
+            else:
+                state._holds = False
+        state.drop_built()
+        rollback.rebind()
+
+    def _rebuild(self, gen: channel.NewGeneration) -> None:
+        """``State(build=...)``: build the objects bound to this generation's group. A
+        survivor moves its committed state, kept as local pieces when training stopped,
+        into the new ones; one that could not restore its commit, or a newcomer, starts
+        from what build made and receives the state in the agreement."""
+        state, rollback = self.state, self.rollback
+        assert gen.rank is not None
+        if state.built:  # a rank that had finished: its training did not stop with an error
+            self._release_built()
+        first = not self._built_once
+        self._built_once = True
+        state.rebuild(Generation(gen.gen, gen.rank, gen.world_size, _local_rank()))
+        rollback.rebind()
+        if first:
+            self.carrier.first_built()
+        kept, self._kept = self._kept, None
+        if kept is not None:
+            adopt(self.carrier, kept)
+            del kept  # the last generation's pieces
+        rollback.refresh_layout()
+        rollback.capture()
 
     def _record(self, provisional: bool) -> None:
         """Write this rank's own state (generators, CPU buffers) to its record: at a
@@ -325,7 +388,15 @@ class _Runner:
         sys.exit(0)
 
     def _handoff(self, store: dist.Store, handoff: channel.Handoff, receiver: bool) -> int:
-        """Move the state from the retiring rank (0) to its replacement (1)."""
+        """Move the state from the retiring rank (0) to its replacement (1).
+
+        Not for ``State(build=...)``: that state is bound to the generation's groups and
+        the replacement has built nothing yet; it receives the state in the agreement
+        instead, from a rank that holds the same pieces (under HSDP the retiring rank's
+        replica peer; with none, the agreement's ``StateLost`` and ``--spare-policy``).
+        Both sides know it from the script alone."""
+        if self.state.build is not None:
+            return 0
         pstore = dist.PrefixStore(handoff.prefix, store)
         group.arrival_barrier(pstore, "arrived", 2, self.link.stale,
                               self.timeout.total_seconds())
@@ -362,6 +433,11 @@ class _Runner:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
+
+
+def _local_rank() -> int:
+    value = os.environ.get("LOCAL_RANK", "0")
+    return int(value) if value.isdigit() else 0
 
 
 def _fatal_kind(e: Exception) -> Literal["state_lost", "diverged", "usage"]:

@@ -1,29 +1,33 @@
-"""Sharded state (DTensors): what resilient mode does with it today.
+"""Sharded state (DTensors): which ranks hold the same pieces, and how pieces move.
 
 A ``DTensor`` (FSDP2's ``fully_shard`` parameters and the optimizer state built on them,
 tensor-parallel weights) is one rank's piece of a tensor laid out over a ``DeviceMesh``.
-Two things stop the replicated recovery (:mod:`tp_launch.resilient.transfer`) from
-carrying it:
+Two facts shape its recovery:
 
-- **Its piece exists once.** Under FSDP a dead rank's shard of the parameters and of the
-  optimizer state is held by no other rank: "the highest committed step wins, any holder
-  is a donor" would hand a newcomer another rank's shard. (HSDP's replica groups hold a
-  copy; a buddy copy would give plain FSDP one: not built yet.)
-- **It is bound to its mesh's process groups.** Every operation on a DTensor that is not
-  purely local (``torch.cat`` of two of them, ``.contiguous()``, a redistribution) runs a
-  collective on the groups it was built with: after a new generation they are gone, and
+- **A piece exists where the placement says.** Under plain FSDP a rank's shard of the
+  parameters and of the optimizer state is held by no other rank; under HSDP (a 2-D
+  mesh, ``Replicate`` x ``Shard``) the ranks with the same shard coordinate in the other
+  replica groups hold it identically. :func:`copy_classes` gives each rank the key of
+  the ranks holding its pieces (its coordinates along the sharded mesh dimensions);
+  :func:`tp_launch.resilient.transfer.donor_plan` serves a receiver only from a donor of
+  its class, and a receiver with none is :class:`StateLost` (``--spare-policy``).
+- **It is bound to its mesh's process groups.** Any DTensor operation that is not purely
+  local (``torch.cat`` of two of them, ``.contiguous()``, a redistribution) runs a
+  collective on the groups it was built with; after a new generation they are gone and
   such a call blocks for good (seen: a donor's send of FSDP2 parameters hung the
-  recovery). Survivors would have to rebuild FSDP, the mesh and the optimizers on the
-  new generation's groups.
+  recovery). So pieces travel and are compared as plain local tensors
+  (:func:`local_tree`: no collective), and the objects bound to the groups are rebuilt
+  for every generation by the script's ``State(build=...)``: a survivor's committed
+  pieces move into its new objects (:func:`load_module_pieces`,
+  :func:`optimizer_pieces_rehomed`), a newcomer's arrive from a donor into its own.
 
-So until both are built, a state that holds DTensors trains exactly as under torchrun
-and a failure is not recovered peer to peer: the agreement, where every rank (the
-newcomer, whose model is not sharded yet, too) learns whether any rank's state holds
-DTensors, ends in :class:`~tp_launch.resilient.transfer.StateLost`, and the agent
-applies ``--spare-policy`` (``restart``: every worker restarts from the script's own
-checkpoint, torchrun's way). A planned migration of such a rank stops the same way.
-Digests (``--verify-every``, the check after a recovery) read a DTensor's local piece
-and leave DTensors out of the comparison of replicated state: each rank's piece differs.
+A state that holds DTensors without ``build`` (a script that sharded a registered model
+itself) cannot be rebuilt: a failure or a planned migration ends in ``StateLost``, every
+rank deciding alike from the agreement's count (a newcomer's model is not sharded yet),
+and the agent applies ``--spare-policy`` (``restart``: the script's own checkpoint).
+Plain FSDP keeps one copy of each shard: its failures go the same way until buddy copies
+exist. After a recovery (and every ``--verify-every`` steps) the ranks compare the
+replicated state all together and their pieces within each class.
 """
 
 from __future__ import annotations
@@ -85,6 +89,112 @@ def without_dtensors(tree: Any) -> Any:
     if isinstance(tree, tuple) and not hasattr(tree, "_fields"):
         return tuple(without_dtensors(v) for v in tree)
     return tree
+
+
+def local_tree(tree: Any) -> Any:
+    """``tree`` with every DTensor replaced by its local piece (the same storage): what a
+    rank sends of its shards, and what another rank with the same shard coordinates
+    holds identically."""
+    if isinstance(tree, torch.Tensor):
+        return local_piece(tree)
+    if isinstance(tree, dict):
+        return {k: local_tree(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [local_tree(v) for v in tree]
+    if isinstance(tree, tuple) and not hasattr(tree, "_fields"):
+        return tuple(local_tree(v) for v in tree)
+    return tree
+
+
+def has_dtensors(module: torch.nn.Module) -> bool:
+    return any(is_dtensor(t) for t in module.state_dict().values())
+
+
+def load_module_pieces(module: torch.nn.Module, sd: dict[str, Any]) -> None:
+    """Copy a state dict of local pieces (:func:`local_tree`) into ``module``'s own
+    tensors, in place: a sharded module's ``load_state_dict`` wants DTensors of its own
+    mesh, and these pieces come from another mesh (the last generation's) or another
+    rank (the same coordinates)."""
+    own = module.state_dict()
+    if set(own) != set(sd):
+        raise ValueError(f"keys differ: {sorted(set(own) ^ set(sd))[:4]}")
+    with torch.no_grad():
+        for k, t in own.items():
+            mine, v = local_piece(t), sd[k]
+            if not isinstance(v, torch.Tensor) or v.shape != mine.shape \
+                    or v.dtype != mine.dtype:
+                raise ValueError(f"{k}: {getattr(v, 'shape', type(v).__name__)} does not fit "
+                                 f"this rank's piece {tuple(mine.shape)}")
+            if v.data_ptr() != mine.data_ptr():
+                mine.copy_(v)
+
+
+def optimizer_pieces_rehomed(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state dict of local pieces made loadable by ``opt``: each state
+    tensor of a DTensor parameter, of that parameter's local shape, becomes a DTensor
+    on the parameter's mesh with its placements (no collective)."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    state = {}
+    for i, entry in sd.get("state", {}).items():
+        p = params[i] if isinstance(i, int) and 0 <= i < len(params) else None
+        if p is None or not is_dtensor(p):
+            state[i] = entry
+            continue
+        from torch.distributed.tensor import DTensor
+
+        local = p.to_local()
+        state[i] = {k: DTensor.from_local(v, p.device_mesh, p.placements,
+                                          run_check=False, shape=p.shape, stride=p.stride())
+                    if isinstance(v, torch.Tensor) and not is_dtensor(v)
+                    and v.shape == local.shape and v.dim() > 0 else v
+                    for k, v in entry.items()}
+    return {**sd, "state": state}
+
+
+def copy_classes(objects: dict[str, Any], world: int) -> list[tuple[Any, ...]] | None:
+    """For each rank of ``world``, the key of the ranks that hold the same pieces of
+    every DTensor the ``objects`` hold: their coordinates along the mesh dimensions a
+    tensor is sharded on (a ``Replicate`` dimension, HSDP's replica groups, does not
+    tell them apart). None when there is no DTensor. Every rank computes the same keys:
+    they come from the meshes' rank layouts, which are the job's."""
+    layouts: dict[tuple[Any, ...], None] = {}
+
+    def walk(v: Any) -> None:
+        if isinstance(v, torch.Tensor):
+            if is_dtensor(v):
+                dt: Any = v
+                mesh = dt.device_mesh
+                sharded = tuple(d for d, pl in enumerate(dt.placements)
+                                if not pl.is_replicate())
+                layouts[(tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape),
+                         sharded)] = None
+        elif isinstance(v, dict):
+            for x in v.values():
+                walk(x)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                walk(x)
+
+    for obj in objects.values():
+        walk(obj.state_dict())
+    if not layouts:
+        return None
+    keys: list[list[Any]] = [[] for _ in range(world)]
+    for ranks, shape, sharded in layouts:
+        where = {r: _coordinate(i, shape) for i, r in enumerate(ranks)}
+        for r in range(world):
+            c = where.get(r)
+            keys[r].append(None if c is None else tuple(c[d] for d in sharded))
+    return [tuple(k) for k in keys]
+
+
+def _coordinate(index: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The coordinate of the ``index``-th element of a row-major array of ``shape``."""
+    c = []
+    for n in reversed(shape):
+        c.append(index % n)
+        index //= n
+    return tuple(reversed(c))
 
 
 def not_recovered(count: int, example: str | None = None) -> str:

@@ -83,6 +83,17 @@ class Cursor:
                       bool(d.get("ended")), d.get("pass_rng"))
 
 
+@dataclass(frozen=True)
+class Generation:
+    """What a State's ``build`` function is given: this process's place in the
+    generation it builds for (a promoted spare keeps its own ``local_rank``)."""
+
+    number: int  # grows with every recovery (0 under plain torchrun)
+    rank: int
+    world_size: int
+    local_rank: int
+
+
 class Hooks:
     """What runs at the loop's boundaries. This one (plain torchrun, or no agent) does
     nothing; :class:`tp_launch.resilient.runtime` installs the resilient one."""
@@ -106,6 +117,14 @@ class State:
     Args:
         extra: plain values that travel with the state (``state.extra``): None, bools,
             numbers, strings, bytes, lists, tuples, dicts and tensors.
+        build: for state bound to the process group (FSDP2's ``fully_shard``, a
+            ``DeviceMesh``, optimizers over DTensors): called with the
+            :class:`Generation` once the generation's group exists (before ``train``;
+            again after every recovery, on survivors and newcomers alike), it builds
+            and returns those objects by name; they join ``objects``. A survivor's
+            committed state moves into what it built, a newcomer's comes from a rank
+            that holds the same pieces. Seeding inside it is fine: the generators are
+            put back after it.
         snapshot: when the state at a commit is also copied at the optimizer step, so
             that an iteration can be rolled back after its optimizer step (a collective
             after the step failed on every rank): ``"auto"`` (once such a collective
@@ -117,14 +136,16 @@ class State:
     """
 
     def __init__(self, extra: dict[str, Any] | None = None, *, snapshot: str = "auto",
+                 build: Callable[[Generation], dict[str, Any]] | None = None,
                  **objects: Any) -> None:
-        for name, obj in objects.items():
-            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
-                raise TypeError(f"State({name}=...): {type(obj).__name__} has no "
-                                "state_dict()/load_state_dict()")
+        _check_objects(objects, "State")
         if snapshot not in ("auto", "always", "never"):
             raise ValueError(f"State(snapshot={snapshot!r}): auto, always or never")
+        if build is not None and not callable(build):
+            raise TypeError("State(build=...) takes a function of the Generation")
         self.objects: dict[str, Any] = dict(objects)
+        self.build = build
+        self.built: set[str] = set()  # the names build() returned (its last call)
         self.extra: dict[str, Any] = dict(extra or {})
         self.snapshot = snapshot
         self.cursor = Cursor()
@@ -138,6 +159,29 @@ class State:
         # Resilient mode: whether this process holds the job's committed state (a rank
         # that built or received it; not a spare). The runtime and the transfer set it.
         self._holds = False
+
+    def rebuild(self, gen: Generation) -> None:
+        """Call ``build`` for generation ``gen``; what it returns replaces what it
+        returned last time (the caller moves the state over)."""
+        assert self.build is not None
+        built = self.build(gen)
+        if not isinstance(built, dict) or not all(isinstance(k, str) for k in built):
+            raise ResilientUsageError("State(build=...) must return a dict of objects by name")
+        _check_objects(built, "State(build=...) returned")
+        clash = set(built) & (set(self.objects) - self.built)
+        if clash:
+            raise ResilientUsageError(f"State(build=...) returned {sorted(clash)}, which "
+                                      "State() was given too")
+        for name in self.built - set(built):
+            del self.objects[name]
+        self.objects.update(built)
+        self.built = set(built)
+
+    def drop_built(self) -> None:
+        """Forget what ``build`` returned (the objects bound to a generation's groups)."""
+        for name in self.built:
+            del self.objects[name]
+        self.built = set()
 
     def __getattr__(self, name: str) -> Any:
         objects = self.__dict__.get("objects", {})
@@ -384,6 +428,13 @@ class State:
                            if k not in ("pass_rng", "ended")},
                 "extra": self.extra, "objects": objects}
         return digest_tree(tree)
+
+
+def _check_objects(objects: dict[str, Any], where: str) -> None:
+    for name, obj in objects.items():
+        if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+            raise TypeError(f"{where} {name}=...: {type(obj).__name__} has no "
+                            "state_dict()/load_state_dict()")
 
 
 def digest_tree(tree: Any) -> str:

@@ -46,7 +46,7 @@ from tp_launch.resilient import per_rank, rng, sharding
 from tp_launch.resilient.ddp import Layouts
 from tp_launch.resilient.group import all_gather_flat
 from tp_launch.resilient.rollback import Rollback
-from tp_launch.resilient.state import Cursor, State
+from tp_launch.resilient.state import Cursor, State, digest_tree
 from tp_launch.resilient.wire import (
     DTYPES,
     Holding,
@@ -101,14 +101,19 @@ class Carrier:
         """A carrier for ``state`` as it is now (when run() begins)."""
         rollback = rollback or Rollback(state)
         layouts = layouts or Layouts(lambda: state.cursor.step)
-        buffers = [b for m in state.modules.values() for b in _persistent_buffers(m)]
-        return Carrier(state, rollback, layouts, rng.capture(), buffers_digest(buffers))
+        return Carrier(state, rollback, layouts, rng.capture(), _buffers_now(state))
+
+    def first_built(self) -> None:
+        """``State(build=...)`` built this process's objects for the first time: their
+        buffers now are where this process started from."""
+        self.initial_buffers = _buffers_now(self.state)
 
     def message(self) -> StateMessage:
         """The committed state as one message (call after a successful rollback)."""
         s, rb = self.state, self.rollback
         return StateMessage(cursor=s.cursor.to_tree(), extra=s.extra,
-                            objects={n: o.state_dict() for n, o in s.objects.items()},
+                            objects={n: sharding.local_tree(o.state_dict())
+                                     for n, o in s.objects.items()},
                             rng=rb.rng if rb.rng is not None else rng.capture(),
                             grads=rb.gradients(), modes=rb.modes(),
                             layouts=self.layouts.to_tree(),
@@ -171,7 +176,8 @@ def recv_state(carrier: Carrier, pg: PeerGroup, src: int) -> int:
                         f"this process's has {sorted(state.objects)}")
     own: dict[tuple[Any, ...], torch.Tensor] = {}
     for name, module in state.modules.items():
-        own.update({("objects", name, k): v for k, v in module.state_dict().items()})
+        own.update({("objects", name, k): sharding.local_piece(v)
+                    for k, v in module.state_dict().items()})
     in_place: dict[str, bool] = {name: True for name in state.modules}
     placed = sorted(leaves(tree), key=lambda pl: pl[1].index)
     if [leaf.index for _, leaf in placed] != list(range(len(specs))):
@@ -189,20 +195,29 @@ def recv_state(carrier: Carrier, pg: PeerGroup, src: int) -> int:
         device = mine.device if mine is not None else _device_of(state, path)
         buffers.append(torch.empty(spec.shape, dtype=DTYPES[spec.dtype], device=device))
     got = receive_tensors(specs, buffers, recv)
-    _adopt(carrier, StateMessage.from_tree(fill(tree, buffers)), in_place)
+    adopt(carrier, StateMessage.from_tree(fill(tree, buffers)), in_place)
     return got
 
 
-def _adopt(carrier: Carrier, message: StateMessage, in_place: dict[str, bool]) -> None:
+def adopt(carrier: Carrier, message: StateMessage,
+          in_place: dict[str, bool] | None = None) -> None:
+    """Make ``message`` (a donor's, or this rank's own from the last generation's
+    objects) this rank's state. ``in_place``: the modules whose every tensor was
+    received into their own."""
     state = carrier.state
     try:
         for name, obj in state.objects.items():
             sd = message.objects[name]
-            if isinstance(obj, torch.nn.Module) and in_place.get(name) \
+            if isinstance(obj, torch.nn.Module) and (in_place or {}).get(name) \
                     and set(sd) == set(obj.state_dict()) \
                     and all(isinstance(v, torch.Tensor) for v in sd.values()):
                 continue  # every tensor arrived in place
-            obj.load_state_dict(sd)
+            if isinstance(obj, torch.nn.Module) and sharding.has_dtensors(obj):
+                sharding.load_module_pieces(obj, sd)
+            elif isinstance(obj, torch.optim.Optimizer):
+                obj.load_state_dict(sharding.optimizer_pieces_rehomed(obj, sd))
+            else:
+                obj.load_state_dict(sd)
         state.cursor = Cursor.from_tree(message.cursor)
         state.extra = dict(message.extra)
         rng.restore(message.rng)
@@ -262,7 +277,10 @@ def agree_and_transfer(carrier: Carrier, fresh: bool,
     used = sum(1 << i for i, g in enumerate(rng.GENERATORS) if words[g] != initial[g])
     buffers = buffers_digest(rollback.committed_buffers())
     used |= (buffers != carrier.initial_buffers) << _BUFFERS_BIT
-    sharded = sharding.dtensor_paths(state.objects) if not fresh else []
+    # Built state: the modules' only (an optimizer's state appears at its first step, a
+    # newcomer's has none). Otherwise any DTensor means the state cannot travel.
+    sharded = [] if fresh else \
+        sharding.dtensor_paths(state.modules if state.build is not None else state.objects)
     mine = Holding(step=state.step if holds else -1, own_step=state.step if held else -1,
                    used=used, buffers=buffers, sharded=len(sharded),
                    generators=tuple(words[g] for g in rng.GENERATORS))
@@ -282,16 +300,20 @@ def agree_and_transfer(carrier: Carrier, fresh: bool,
             if len({row.generators[i] for row in rows}) > 1}
         state._holds = True
         return stats
-    if any(r.sharded for r in rows):
+    if any(r.sharded for r in rows) and state.build is None:
         # Every rank decides alike (a newcomer's model is not sharded yet): none waits.
         raise StateLost(sharding.not_recovered(max(r.sharded for r in rows),
                                                sharded[0] if sharded else None))
     if top < 0:
         raise StateLost("no rank holds the training state any more (every rank that "
                         "held it failed, or was cut off after its optimizer step)")
+    counts = {r.sharded for r in rows}
+    if len(counts) > 1:
+        raise StateLost(f"the ranks' built states differ: {sorted(counts)} sharded tensors "
+                        "(State(build=...) must build the same objects on every rank)")
+    classes = sharding.copy_classes(state.modules, world) if counts != {0} else None
+    plan = donor_plan(steps, classes)
     donors = [r for r, s in enumerate(steps) if s == top]
-    receivers = [r for r, s in enumerate(steps) if s != top]
-    plan = {r: donors[i % len(donors)] for i, r in enumerate(receivers)}
     t1 = time.monotonic()
     if rank in plan:
         own_buffers = [b.clone() if b is not None else None
@@ -323,11 +345,47 @@ def agree_and_transfer(carrier: Carrier, fresh: bool,
 _BUFFERS_BIT = len(rng.GENERATORS)
 
 
+def donor_plan(steps: Sequence[int], classes: Sequence[Any] | None = None) -> dict[int, int]:
+    """Receiver -> donor. The ranks at the highest step are the donors; a receiver is
+    served by a donor of its copy class (``classes[r]``: the ranks holding the same
+    pieces of sharded state; None: all state replicated), round-robin within the class,
+    so that several newcomers are served in parallel by different donors.
+
+    Raises:
+        StateLost: a receiver's pieces are held by no donor (plain FSDP keeps one copy;
+            under HSDP every replica of that shard was lost).
+    """
+    top = max(steps)
+    donors = [r for r, s in enumerate(steps) if s == top]
+    plan: dict[int, int] = {}
+    served: dict[Any, int] = {}
+    orphans = []
+    for r, s in enumerate(steps):
+        if s == top:
+            continue
+        key = None if classes is None else classes[r]
+        mine = [d for d in donors if classes is None or classes[d] == key]
+        if not mine:
+            orphans.append(r)
+            continue
+        plan[r] = mine[served.get(key, 0) % len(mine)]
+        served[key] = served.get(key, 0) + 1
+    if orphans:
+        raise StateLost(f"the sharded state of rank(s) {orphans} is held by no surviving "
+                        "rank (plain FSDP keeps one copy of each shard; HSDP lost every "
+                        "replica of it)")
+    return plan
+
+
 def buffers_digest(buffers: Sequence[torch.Tensor | None]) -> int:
     h = hashlib.blake2b(digest_size=8)
     for b in buffers:
         h.update(b"-" if b is None else tensor_bytes(b))
     return int.from_bytes(h.digest(), "little", signed=True)
+
+
+def _buffers_now(state: State) -> int:
+    return buffers_digest([b for m in state.modules.values() for b in _persistent_buffers(m)])
 
 
 def _persistent_buffers(module: torch.nn.Module) -> list[torch.Tensor]:
@@ -376,17 +434,29 @@ def verify(state: State) -> None:
         Diverged: naming the ranks that differ from the lowest rank's state.
     """
     world = dist.get_world_size()
-    word = bytes.fromhex(state.digest(buffers=False, sharded=False))
-    mine = torch.tensor([int.from_bytes(word[:8], "little", signed=True),
-                         int.from_bytes(word[8:], "little", signed=True)], dtype=torch.int64)
-    gathered = torch.zeros(world * 2, dtype=torch.int64)
-    all_gather_flat(gathered, mine)
-    rows = [tuple(r) for r in gathered.view(world, 2).tolist()]
-    differ = [r for r, row in enumerate(rows) if row != rows[0]]
+    classes = sharding.copy_classes(state.modules, world)
+    pieces = sharding.local_tree({n: o.state_dict() for n, o in state.objects.items()}) \
+        if classes is not None else None
+    words = [int.from_bytes(w[i:i + 8], "little", signed=True)
+             for w in (bytes.fromhex(state.digest(buffers=False, sharded=False)),
+                       bytes.fromhex(digest_tree(pieces))) for i in (0, 8)]
+    gathered = torch.zeros(world * 4, dtype=torch.int64)
+    all_gather_flat(gathered, torch.tensor(words, dtype=torch.int64))
+    rows = [tuple(r) for r in gathered.view(world, 4).tolist()]
+    differ = [r for r, row in enumerate(rows) if row[:2] != rows[0][:2]]
     if differ:
         raise Diverged(f"the ranks' states differ: rank(s) {differ} do not match rank 0 "
                        f"at step {state.step}")
+    if classes is not None:
+        first: dict[Any, int] = {}
+        for r in range(world):
+            first.setdefault(classes[r], r)
+        differ = [r for r in range(world) if rows[r][2:] != rows[first[classes[r]]][2:]]
+        if differ:
+            raise Diverged(f"the ranks' shards differ: rank(s) {differ} do not match the "
+                           f"other holders of their pieces at step {state.step}")
 
 
-__all__ = ["Carrier", "Diverged", "PeerGroup", "StateLost", "TransferStats",
-           "agree_and_transfer", "buffers_digest", "recv_state", "send_state", "verify"]
+__all__ = ["Carrier", "Diverged", "PeerGroup", "StateLost", "TransferStats", "adopt",
+           "agree_and_transfer", "buffers_digest", "donor_plan", "recv_state", "send_state",
+           "verify"]
