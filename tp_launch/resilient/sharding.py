@@ -32,7 +32,7 @@ replicated state all together and their pieces within each class.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -56,54 +56,50 @@ def local_piece(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
 
 
+def _dtensors(tree: Any, path: str) -> Iterator[tuple[str, Any]]:
+    """Every DTensor in ``tree`` (dicts, lists, tuples) with its dotted path."""
+    if isinstance(tree, torch.Tensor):
+        if is_dtensor(tree):
+            yield path, tree
+    elif isinstance(tree, dict):
+        for k, x in tree.items():
+            yield from _dtensors(x, f"{path}.{k}")
+    elif isinstance(tree, (list, tuple)):
+        for i, x in enumerate(tree):
+            yield from _dtensors(x, f"{path}.{i}")
+
+
 def dtensor_paths(objects: dict[str, Any]) -> list[str]:
     """The state-dict paths (``model.0.weight``, ``optimizer.state.0.exp_avg``) of the
     DTensors that the registered ``objects`` hold."""
-    found: list[str] = []
+    return [path for name, obj in objects.items()
+            for path, _ in _dtensors(obj.state_dict(), name)]
 
-    def walk(v: Any, path: str) -> None:
-        if isinstance(v, torch.Tensor):
-            if is_dtensor(v):
-                found.append(path)
-        elif isinstance(v, dict):
-            for k, x in v.items():
-                walk(x, f"{path}.{k}")
-        elif isinstance(v, (list, tuple)):
-            for i, x in enumerate(v):
-                walk(x, f"{path}.{i}")
 
-    for name, obj in objects.items():
-        walk(obj.state_dict(), name)
-    return found
+def _map_tensors(tree: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``tree`` (dicts, lists, tuples; a named tuple is a leaf) with ``fn`` of each tensor."""
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    if isinstance(tree, dict):
+        return {k: _map_tensors(v, fn) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_map_tensors(v, fn) for v in tree]
+    if isinstance(tree, tuple) and not hasattr(tree, "_fields"):
+        return tuple(_map_tensors(v, fn) for v in tree)
+    return tree
 
 
 def without_dtensors(tree: Any) -> Any:
     """``tree`` with every DTensor replaced by a marker: what ranks compare of a state
     whose DTensor pieces differ from rank to rank."""
-    if isinstance(tree, torch.Tensor):
-        return "<dtensor>" if is_dtensor(tree) else tree
-    if isinstance(tree, dict):
-        return {k: without_dtensors(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [without_dtensors(v) for v in tree]
-    if isinstance(tree, tuple) and not hasattr(tree, "_fields"):
-        return tuple(without_dtensors(v) for v in tree)
-    return tree
+    return _map_tensors(tree, lambda t: "<dtensor>" if is_dtensor(t) else t)
 
 
 def local_tree(tree: Any) -> Any:
     """``tree`` with every DTensor replaced by its local piece (the same storage): what a
     rank sends of its shards, and what another rank with the same shard coordinates
     holds identically."""
-    if isinstance(tree, torch.Tensor):
-        return local_piece(tree)
-    if isinstance(tree, dict):
-        return {k: local_tree(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [local_tree(v) for v in tree]
-    if isinstance(tree, tuple) and not hasattr(tree, "_fields"):
-        return tuple(local_tree(v) for v in tree)
-    return tree
+    return _map_tensors(tree, local_piece)
 
 
 def has_dtensors(module: torch.nn.Module) -> bool:
@@ -158,25 +154,12 @@ def copy_classes(objects: dict[str, Any], world: int) -> list[tuple[Any, ...]] |
     tell them apart). None when there is no DTensor. Every rank computes the same keys:
     they come from the meshes' rank layouts, which are the job's."""
     layouts: dict[tuple[Any, ...], None] = {}
-
-    def walk(v: Any) -> None:
-        if isinstance(v, torch.Tensor):
-            if is_dtensor(v):
-                dt: Any = v
-                mesh = dt.device_mesh
-                sharded = tuple(d for d, pl in enumerate(dt.placements)
-                                if not pl.is_replicate())
-                layouts[(tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape),
-                         sharded)] = None
-        elif isinstance(v, dict):
-            for x in v.values():
-                walk(x)
-        elif isinstance(v, (list, tuple)):
-            for x in v:
-                walk(x)
-
-    for obj in objects.values():
-        walk(obj.state_dict())
+    for name, obj in objects.items():
+        for _, dt in _dtensors(obj.state_dict(), name):
+            mesh = dt.device_mesh
+            sharded = tuple(d for d, pl in enumerate(dt.placements) if not pl.is_replicate())
+            layouts[(tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape),
+                     sharded)] = None
     if not layouts:
         return None
     keys: list[list[Any]] = [[] for _ in range(world)]
