@@ -86,7 +86,8 @@ def build(gen: resilient.Generation, args: argparse.Namespace) -> dict:
                                 mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh("cpu", (gen.world_size,))
-    torch.manual_seed(0)  # the same initial model everywhere (the generators are put back)
+    torch.manual_seed(0)  # the same initial model everywhere (after a recovery the
+    #                       committed generators replace this seed)
     model = TinyLM()
     for block in model.blocks:
         fully_shard(block, mesh=mesh)

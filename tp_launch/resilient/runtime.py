@@ -322,8 +322,6 @@ class _Runner:
         from what build made and receives the state in the agreement."""
         state, rollback = self.state, self.rollback
         assert gen.rank is not None
-        if state.built:  # a rank that had finished: its training did not stop with an error
-            self._release_built()
         first = not self._built_once
         self._built_once = True
         state.rebuild(Generation(gen.gen, gen.rank, gen.world_size, _local_rank()))

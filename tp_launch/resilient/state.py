@@ -123,8 +123,9 @@ class State:
             again after every recovery, on survivors and newcomers alike), it builds
             and returns those objects by name; they join ``objects``. A survivor's
             committed state moves into what it built, a newcomer's comes from a rank
-            that holds the same pieces. Seeding inside it is fine: the generators are
-            put back after it.
+            that holds the same pieces. Seeding inside it is fine: after a recovery
+            the committed generators replace what it drew (the first time, as under
+            torchrun, what it draws stays drawn).
         snapshot: when the state at a commit is also copied at the optimizer step, so
             that an iteration can be rolled back after its optimizer step (a collective
             after the step failed on every rank): ``"auto"`` (once such a collective
