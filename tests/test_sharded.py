@@ -134,24 +134,9 @@ def test_a_shard_no_survivor_holds_goes_to_the_spare_policy(workdir, test_env, w
 def test_planned_migration_of_an_hsdp_rank(workdir, test_env, hsdp_reference):
     """``tp-run migrate --rank 1``: the replacement receives the shard in the agreement
     from rank 1's replica peer; no step is recomputed."""
-    out = workdir / "out"
-    out.mkdir()
-    env = {**test_env, "OUT": str(out), "OMP_NUM_THREADS": "1"}
-    proc = start_launcher(TP_RUN, ["--nproc-per-node", "4", "--spares", "1", SCRIPT, *HSDP,
-                                   "--hold-at", "4"], env, workdir)
-    try:
-        held(proc, out, 4)
-        cmd = run_launcher(TP_RUN, ["migrate", "--rank", "1", "--agent-pid", str(proc.pid)],
-                           env, workdir)
-        assert cmd.returncode == 0 and "ok: rank 1" in cmd.stdout, cmd.stdout + cmd.stderr
-        (out / "release").touch()
-        stdout, stderr = proc.communicate(timeout=HANG_TIMEOUT)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    results = recovered(subprocess.CompletedProcess([], proc.returncode, stdout, stderr), out,
-                        hsdp_reference, "tp-run: migration: rank(s) [1] ")
+    proc, out = migrated(workdir, test_env, ["--nproc-per-node", "4", "--spares", "1"],
+                         HSDP, 4)
+    results = recovered(proc, out, hsdp_reference, "tp-run: migration: rank(s) [1] ")
     boundary = {f["first"] for f in results}
     assert len(boundary) == 1 and boundary.pop() > 4, results
 
@@ -199,12 +184,30 @@ def test_donor_plan_serves_each_receiver_from_its_copy_class():
         donor_plan([5, -1, 5, 5], [(0,), (1,), (0,), (2,)])
 
 
-def held(proc: subprocess.Popen, out: Path, world: int) -> None:
-    """Wait until every rank holds (``--hold-at``) with a spare parked."""
-    deadline = time.monotonic() + HANG_TIMEOUT
-    while not all((out / f"held_{r}").exists() for r in range(world)):
-        assert proc.poll() is None and time.monotonic() < deadline, "the ranks hold"
-        time.sleep(0.1)
+def migrated(workdir: Path, test_env: dict[str, str], launcher_args: list[str],
+             script_args: list[str], world: int) -> tuple[subprocess.CompletedProcess, Path]:
+    """The job held after step 4 with a spare parked (``--hold-at``), ``tp-run migrate
+    --rank 1`` asked for, then released and run to its end."""
+    out = workdir / "out"
+    out.mkdir()
+    env = {**test_env, "OUT": str(out), "OMP_NUM_THREADS": "1"}
+    proc = start_launcher(TP_RUN, [*launcher_args, SCRIPT, *script_args, "--hold-at", "4"],
+                          env, workdir)
+    try:
+        deadline = time.monotonic() + HANG_TIMEOUT
+        while not all((out / f"held_{r}").exists() for r in range(world)):
+            assert proc.poll() is None and time.monotonic() < deadline, "the ranks hold"
+            time.sleep(0.1)
+        cmd = run_launcher(TP_RUN, ["migrate", "--rank", "1", "--agent-pid", str(proc.pid)],
+                           env, workdir)
+        assert cmd.returncode == 0 and "ok: rank 1" in cmd.stdout, cmd.stdout + cmd.stderr
+        (out / "release").touch()
+        stdout, stderr = proc.communicate(timeout=HANG_TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), out
 
 
 def said_sharded(stderr: str) -> list[str]:
@@ -245,23 +248,9 @@ def test_planned_migration_of_a_sharded_rank_restarts_from_the_checkpoint(workdi
     """``tp-run migrate --rank 1``: the retiring rank cannot hand over its shard alone (the
     survivors' FSDP is bound to the old groups): one line, every worker restarts from the
     checkpoint at step 4, the result is exact."""
-    out = workdir / "out"
-    out.mkdir()
-    env = {**test_env, "OUT": str(out), "OMP_NUM_THREADS": "1"}
-    proc = start_launcher(TP_RUN, ["--nproc-per-node", str(WORLD), "--spares", "1",
-                                   "--max-restarts", "1", SCRIPT, "--hold-at", "4"],
-                          env, workdir)
-    try:
-        held(proc, out, WORLD)
-        cmd = run_launcher(TP_RUN, ["migrate", "--rank", "1", "--agent-pid", str(proc.pid)],
-                           env, workdir)
-        assert cmd.returncode == 0, cmd.stdout + cmd.stderr
-        (out / "release").touch()
-        _, stderr = proc.communicate(timeout=HANG_TIMEOUT)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    proc, out = migrated(workdir, test_env, ["--nproc-per-node", str(WORLD), "--spares", "1",
+                                             "--max-restarts", "1"], [], WORLD)
+    stderr = proc.stderr
     assert proc.returncode == 0, stderr[-4000:]
     said = said_sharded(stderr)
     assert len(said) == 1 and "rank 1:" in said[0], stderr[-4000:]
