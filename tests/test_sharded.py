@@ -63,6 +63,18 @@ def torchrun_result(tmp_path_factory: pytest.TempPathFactory, world: int,
     return sums.pop()
 
 
+def exact(proc: subprocess.CompletedProcess, out: Path, reference: str, world: int,
+          line: str) -> list[dict]:
+    """The job ended exact on ``world`` ranks, after the one recovery ``line`` names."""
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    said = [x for x in proc.stderr.splitlines() if x.startswith("tp-run:")]
+    assert len(said) == 1 and said[0].startswith(line), said
+    results = finals(out, world)
+    assert {f["checksum"] for f in results} == {reference}, results
+    assert all(f["steps"] == 12 for f in results)
+    return results
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
     return torchrun_result(tmp_path_factory, WORLD, [])
@@ -71,18 +83,6 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def hsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
     return torchrun_result(tmp_path_factory, 4, HSDP)
-
-
-def recovered(proc: subprocess.CompletedProcess, out: Path, reference: str,
-              line: str) -> list[dict]:
-    """The job ended exact on 4 ranks, after the one recovery ``line`` names."""
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    said = [x for x in proc.stderr.splitlines() if x.startswith("tp-run:")]
-    assert len(said) == 1 and said[0].startswith(line), said
-    results = finals(out, 4)
-    assert {f["checksum"] for f in results} == {reference}, results
-    assert all(f["steps"] == 12 for f in results)
-    return results
 
 
 @pytest.mark.parametrize("where, rank, step", [
@@ -99,7 +99,7 @@ def test_hsdp_rank_comes_back_from_its_replica(workdir, test_env, hsdp_reference
     proc, out = launch(workdir, test_env, TP_RUN, ["--nproc-per-node", "4", "--spares", "1"],
                        [*HSDP, "--kill-rank", str(rank), "--kill-step", "6",
                         "--kill-where", where])
-    results = recovered(proc, out, hsdp_reference, f"tp-run: failure: rank(s) [{rank}] ")
+    results = exact(proc, out, hsdp_reference, 4, f"tp-run: failure: rank(s) [{rank}] ")
     assert f"at step {step};" in proc.stderr
     assert {f["first"] for f in results} == {step}
 
@@ -110,7 +110,7 @@ def test_hsdp_two_ranks_of_different_replica_groups(workdir, test_env, hsdp_refe
     served by its own replica peer, in parallel."""
     proc, out = launch(workdir, test_env, TP_RUN, ["--nproc-per-node", "4", "--spares", "2"],
                        [*HSDP, "--kill-ranks", "1,2", "--kill-step", "6"])
-    recovered(proc, out, hsdp_reference, "tp-run: failure: rank(s) [")
+    exact(proc, out, hsdp_reference, 4, "tp-run: failure: rank(s) [")
     assert re.search(r"rank\(s\) \[(1, 2|2, 1)\] -> spare", proc.stderr), proc.stderr[-3000:]
 
 
@@ -132,11 +132,11 @@ def test_a_shard_no_survivor_holds_goes_to_the_spare_policy(workdir, test_env, w
 
 @pytest.mark.slow
 def test_planned_migration_of_an_hsdp_rank(workdir, test_env, hsdp_reference):
-    """``tp-run migrate --rank 1``: the replacement receives the shard in the agreement
-    from rank 1's replica peer; no step is recomputed."""
+    """``tp-run migrate --rank 1``: the retiring rank hands its shard to its replacement;
+    no step is recomputed."""
     proc, out = migrated(workdir, test_env, ["--nproc-per-node", "4", "--spares", "1"],
                          HSDP, 4)
-    results = recovered(proc, out, hsdp_reference, "tp-run: migration: rank(s) [1] ")
+    results = exact(proc, out, hsdp_reference, 4, "tp-run: migration: rank(s) [1] ")
     boundary = {f["first"] for f in results}
     assert len(boundary) == 1 and boundary.pop() > 4, results
 
@@ -168,6 +168,80 @@ def test_the_hsdp_example_ends_as_under_torchrun(tmp_path, test_env):
     assert plain.returncode == 0 and killed.returncode == 0, killed.stderr[-3000:]
     assert done[0] and done[0] == done[1], (plain.stdout, killed.stdout)
     assert "tp-run: failure: rank(s) [1]" in killed.stderr
+
+
+BUDDY = ["--build", "--per-rank-data"]  # plain FSDP, each rank's own data stream
+
+
+@pytest.fixture(scope="module")
+def buddy_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return torchrun_result(tmp_path_factory, WORLD, BUDDY)
+
+
+@pytest.fixture(scope="module")
+def buddy_reference_4(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return torchrun_result(tmp_path_factory, 4, BUDDY)
+
+
+@pytest.mark.parametrize("where", [
+    "forward",
+    pytest.param("backward", marks=pytest.mark.slow),  # FSDP reduce-scattering
+    pytest.param("optimizer", marks=pytest.mark.slow),  # past the point of no return
+])
+def test_plain_fsdp_rank_comes_back_from_its_buddy_copy(workdir, test_env, buddy_reference,
+                                                        where):
+    """Plain FSDP, ``--shard-copy-every 1``: rank 1's shard, optimizer state and own data
+    stream exist only in rank 0's copy of them; the newcomer gets them from there and
+    the job ends as torchrun's failure-free run (a newcomer given rank 0's data stream,
+    or none, would not)."""
+    proc, out = launch(workdir, test_env, TP_RUN,
+                       ["--nproc-per-node", str(WORLD), "--spares", "1",
+                        "--shard-copy-every", "1"],
+                       [*BUDDY, "--kill-rank", "1", "--kill-step", "6", "--kill-where", where])
+    results = exact(proc, out, buddy_reference, WORLD, "tp-run: failure: rank(s) [1] ")
+    # Back to the last step whose copies had arrived: the one rank 1 committed last (6),
+    # or the one before if its copy was still on the way.
+    first = {f["first"] for f in results}
+    assert len(first) == 1 and first <= {5, 6}, results
+
+
+def test_every_k_steps_goes_back_to_the_last_copy(workdir, test_env, buddy_reference_4):
+    """``--shard-copy-every 4`` on 4 ranks, rank 2 killed after step 6's optimizer step:
+    every rank goes back to the copies of step 4 and computes steps 4 to 6 again; the
+    result is exact."""
+    proc, out = launch(workdir, test_env, TP_RUN,
+                       ["--nproc-per-node", "4", "--spares", "1", "--shard-copy-every", "4"],
+                       [*BUDDY, "--kill-rank", "2", "--kill-step", "6",
+                        "--kill-where", "optimizer"])
+    results = exact(proc, out, buddy_reference_4, 4, "tp-run: failure: rank(s) [2] ")
+    assert "at step 4;" in proc.stderr, proc.stderr[-3000:]
+    assert {f["first"] for f in results} == {4}, results
+
+
+@pytest.mark.slow
+def test_a_rank_lost_with_its_copy_holder_goes_to_the_spare_policy(workdir, test_env):
+    """Ranks 1 and 2 die together; rank 2 held rank 1's copy: one line, the policy
+    (fail), no result written."""
+    proc, out = launch(workdir, test_env, TP_RUN,
+                       ["--nproc-per-node", "4", "--spares", "2", "--shard-copy-every", "1",
+                        "--spare-policy", "fail"],
+                       [*BUDDY, "--kill-ranks", "1,2", "--kill-step", "6"])
+    assert proc.returncode != 0
+    said = [x for x in proc.stderr.splitlines() if x.startswith("tp-run: error:")]
+    assert len(said) == 1 and "no buddy copy" in said[0] and "rank(s) [1]" in said[0], \
+        proc.stderr[-4000:]
+    assert not list(out.glob("final_*.json"))
+
+
+def test_planned_migration_of_a_plain_fsdp_rank(workdir, test_env, buddy_reference):
+    """``tp-run migrate --rank 1`` of a built plain-FSDP state (no copies): the retiring
+    rank hands its shard and its own data stream straight to its replacement; no step
+    is recomputed, the result is exact."""
+    proc, out = migrated(workdir, test_env, ["--nproc-per-node", str(WORLD), "--spares", "1"],
+                         BUDDY, WORLD)
+    results = exact(proc, out, buddy_reference, WORLD, "tp-run: migration: rank(s) [1] ")
+    boundary = {f["first"] for f in results}
+    assert len(boundary) == 1 and boundary.pop() > 4, results
 
 
 def test_donor_plan_serves_each_receiver_from_its_copy_class():

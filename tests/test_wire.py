@@ -22,6 +22,7 @@ from tp_launch.resilient.wire import (
     fill,
     leaves,
     receive_document,
+    receive_message,
     receive_tensors,
     send_message,
 )
@@ -36,7 +37,7 @@ def _message() -> StateMessage:
         rng={"torch": torch.get_rng_state()},
         grads={"model": [True, False]}, modes={"model": [True]},
         layouts={"fp": {"buckets": [[1, 0]], "limits": [100], "from_step": 1}},
-        per_rank_generators=["python"])
+        per_rank_generators=["python"], per_rank_objects=["sched"])
 
 
 def _pipe() -> tuple[list[torch.Tensor], object]:
@@ -65,9 +66,19 @@ def test_state_message_round_trips_through_the_wire():
     assert back.extra == {"tokens": 10, 3: (1.5, None)}
     assert Cursor.from_tree(back.cursor) == Cursor(step=7, epoch=1, batch=2)
     assert torch.equal(back.rng["torch"], torch.get_rng_state())
-    assert (back.grads, back.modes, back.per_rank_generators) == \
-        ({"model": [True, False]}, {"model": [True]}, ["python"])
+    assert (back.grads, back.modes, back.per_rank_generators, back.per_rank_objects) == \
+        ({"model": [True, False]}, {"model": [True]}, ["python"], ["sched"])
     assert back.layouts == msg.layouts
+
+
+def test_a_message_received_whole_into_host_memory():
+    sent, recv = _pipe()
+    send_message(_message().to_tree(), lambda t: sent.append(t.clone()))
+    got, tree = receive_message(recv)  # type: ignore[arg-type]
+    back = StateMessage.from_tree(tree)
+    assert got == sum(t.numel() * t.element_size() for t in encode(_message().to_tree())[1])
+    assert not sent
+    assert torch.equal(back.objects["model"]["w"], torch.arange(4.0))
 
 
 def _tree(**changes: object) -> dict:
@@ -88,6 +99,7 @@ def _tree(**changes: object) -> dict:
     (_tree(modes={"model": True}), "modes are not lists of booleans"),
     (_tree(per_rank_generators="python"), "per_rank_generators are not a list"),
     (_tree(per_rank_generators=[None]), "per_rank_generators are not a list"),
+    (_tree(per_rank_objects={"data": 1}), "per_rank_objects are not a list"),
 ])
 def test_state_message_is_parsed_strictly(tree, error):
     with pytest.raises(WireError, match=error):

@@ -87,6 +87,7 @@ ENV_SOCKET = "TP_RUN_CHANNEL"
 ENV_SLOT = "TP_RUN_SLOT"
 ENV_PROGRESS = "TP_RUN_PROGRESS"
 ENV_VERIFY_EVERY = "TP_RUN_VERIFY_EVERY"
+ENV_SHARD_COPY_EVERY = "TP_RUN_SHARD_COPY_EVERY"
 ENV_HEARTBEAT = "TP_RUN_HEARTBEAT"  # "0": hang and straggler detection are off
 
 # The longest line either side accepts: every message is well under a kilobyte, and a

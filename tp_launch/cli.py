@@ -136,6 +136,12 @@ def _opt(*names: str, **kwargs: Any) -> Callable:
 @_opt("--verify-every", "--verify_every", default=0, type=click.IntRange(min=0),
       help="tp-run: every N committed steps the ranks compare a digest of their state "
       "and stop the job if they differ (0: only after each recovery).")
+@_opt("--shard-copy-every", "--shard_copy_every", default=0, type=click.IntRange(min=0),
+      help="tp-run: sharded state (State(build=...)): every N committed steps each rank "
+      "copies its shard and its own state into another rank's host memory (a rank on "
+      "another node where there is one); a rank lost with no other holder of its "
+      "shard comes back from that copy, every rank going back to the copy's step "
+      "(1: every step; 0: off, the default).")
 @_opt("--hang-timeout", "--hang_timeout", default=None, type=click.FloatRange(min=0.0),
       help="tp-run: seconds without progress (no step committed, no collective issued) "
       "after which the rank that holds the others up has its stack logged, is killed "
@@ -226,9 +232,10 @@ def config_from_options(opts: dict[str, Any]) -> LaunchConfig:
             check_seconds(opts[option], "--" + option.replace("_", "-"))
     preempt_signal = parse_preempt_signal(opts["preempt_signal"])
     health_check = opts["health_check"] or None
-    if opts["spares"] == 0 and (opts["on_preempt"] != "ignore" or health_check):
+    if opts["spares"] == 0 and (opts["on_preempt"] != "ignore" or health_check
+                                or opts["shard_copy_every"]):
         flag = f"--on-preempt {opts['on_preempt']}" if opts["on_preempt"] != "ignore" \
-            else "--health-check"
+            else "--health-check" if health_check else "--shard-copy-every"
         raise ConfigError(f"{flag} needs resilient mode (--spares K)")
 
     return LaunchConfig(
@@ -268,6 +275,7 @@ def config_from_options(opts: dict[str, Any]) -> LaunchConfig:
         spare_policy=opts["spare_policy"],
         spare_wait_timeout=opts["spare_wait_timeout"],
         verify_every=opts["verify_every"],
+        shard_copy_every=opts["shard_copy_every"],
         hang_timeout=opts["hang_timeout"],
         straggler_factor=opts["straggler_factor"],
         straggler_window=opts["straggler_window"],

@@ -59,6 +59,8 @@ class LaunchConfig:
             ``spare_wait_timeout`` seconds, or ``fail``.
         verify_every: resilient mode: compare the ranks' state digests every N
             committed steps (0: only after each recovery).
+        shard_copy_every: resilient mode, sharded state: buddy copies of each rank's
+            state every N committed steps (:mod:`tp_launch.resilient.copies`; 0: off).
         hang_timeout: seconds without progress after which a hung rank is killed and
             replaced (resilient mode; the floor of an adaptive limit, see
             :mod:`tp_launch.agent.hangs`), or a plain script's workers restarted (no
@@ -113,6 +115,7 @@ class LaunchConfig:
     spare_policy: str = "restart"
     spare_wait_timeout: float = 300.0
     verify_every: int = 0
+    shard_copy_every: int = 0
     hang_timeout: float | None = None
     straggler_factor: float = 2.0
     straggler_window: float = 60.0

@@ -20,6 +20,10 @@ right after the
 optimizer step. ``--kill-ranks`` for several ranks at once. Every rank writes
 ``final_<rank>.json``: the steps trained, the process's first step (where it started or
 resumed) and a checksum of the full parameters and optimizer state.
+
+``--per-rank-data``: each rank draws its batches from a data stream of its own (a
+generator seeded by rank, registered by ``build`` as ``data``): a newcomer that is not
+given the dead rank's position in it trains on other data and ends elsewhere.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ p.add_argument("--kill-where", choices=["forward", "backward", "optimizer"], def
 p.add_argument("--corrupt-rank", type=int, default=-1,
                help="after step 3's optimizer step this rank adds 1e-3 to its piece of the "
                     "first weight (its replica peer's copy then differs)")
+p.add_argument("--per-rank-data", action="store_true")
 p.add_argument("--hold-at", type=int, default=-1,
                help="after committing step S (and its checkpoint) each rank, once a spare is "
                     "parked, writes held_<rank> and waits for $OUT/release")
@@ -83,13 +88,32 @@ def shard(m: nn.Module, mesh=None) -> None:
     fully_shard(m, mesh=mesh)
 
 
+class RankData:
+    """A rank's own data stream (a loader's position keyed by data-parallel rank)."""
+
+    def __init__(self, rank: int) -> None:
+        self.g = torch.Generator().manual_seed(1000 + rank)
+
+    def batch(self) -> torch.Tensor:
+        return torch.randn(8, 16, generator=self.g)
+
+    def state_dict(self) -> dict:
+        return {"rng": self.g.get_state()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.g.set_state(sd["rng"])
+
+
 def build(gen: resilient.Generation) -> dict:
     shape = (args.replicas, gen.world_size // args.replicas)
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")) \
         if args.replicas > 1 else init_device_mesh("cpu", (gen.world_size,))
     m = new_model()
     shard(m, mesh)
-    return {"model": m, "optimizer": torch.optim.AdamW(m.parameters(), lr=0.01)}
+    built = {"model": m, "optimizer": torch.optim.AdamW(m.parameters(), lr=0.01)}
+    if args.per_rank_data:
+        built["data"] = RankData(gen.rank)
+    return built
 
 
 def wait_parked() -> None:
@@ -140,8 +164,10 @@ def train(state: resilient.State) -> None:
                        optim_state_dict=tree["optim"], options=LOAD)
         state.step = first = tree["step"]
     for step in state.steps(args.steps):
-        g = torch.Generator().manual_seed(step * 100 + rank)
-        x = torch.randn(8, 16, generator=g)
+        if args.per_rank_data:
+            x = state.data.batch()
+        else:
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step * 100 + rank))
         dying = step == args.kill_step and rank in KILL and not (OUT / f"killed_{rank}").exists()
         if dying:
             wait_parked()

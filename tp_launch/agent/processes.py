@@ -68,6 +68,8 @@ class Processes:
                     channel.ENV_PROGRESS: at.board.path})
         if cfg.verify_every:
             env[channel.ENV_VERIFY_EVERY] = str(cfg.verify_every)
+        if cfg.shard_copy_every:
+            env[channel.ENV_SHARD_COPY_EVERY] = str(cfg.shard_copy_every)
         if not cfg.hang_timeout_for(resilient=True) and not cfg.straggler_factor:
             env[channel.ENV_HEARTBEAT] = "0"  # nobody reads it
         argv = worker_argv(cfg, device)

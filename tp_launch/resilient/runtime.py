@@ -53,6 +53,7 @@ import torch.distributed as dist
 from tp_launch import channel, control_files
 from tp_launch.progress import Stage
 from tp_launch.resilient import group, per_rank, rng, sharding
+from tp_launch.resilient.copies import BuddyCopies
 from tp_launch.resilient.ddp import Layouts
 from tp_launch.resilient.heartbeat import Heartbeat
 from tp_launch.resilient.link import AgentLink
@@ -70,7 +71,9 @@ from tp_launch.resilient.transfer import (
     StateLost,
     adopt,
     agree_and_transfer,
+    recv_pieces,
     recv_state,
+    send_pieces,
     send_state,
     verify,
 )
@@ -117,6 +120,9 @@ def run(train: Callable[[State], T], state: State, *, backend: str | None = None
     if link is None:
         if not dist.is_initialized():
             dist.init_process_group(backend, timeout=timeout)
+        # As under an agent: the groups go before the interpreter finalizes (an HSDP
+        # mesh's subgroups left up made rank 0 of a plain torchrun job die of SIGABRT).
+        atexit.register(group.let_go)
         if state.build is not None:
             state.rebuild(Generation(0, dist.get_rank(), dist.get_world_size(),
                                      _local_rank()))
@@ -159,7 +165,10 @@ class _ResilientHooks(Hooks):
         if self.verify_every and state.step % self.verify_every == 0 \
                 and state.step != self._verified and not state.cursor.ended:
             self._verified = state.step
-            verify(state)
+            verify(state, r.carrier.per_rank_objects)
+        copies = r.copies
+        if copies is not None and copies.due(state.step) and not state.cursor.ended:
+            copies.snapshot(lambda: r.carrier.message().to_tree(), link.stale)
 
     def check(self, state: State) -> None:
         newer = self.r.link.newer()
@@ -193,6 +202,9 @@ class _Runner:
         # it holds no built objects (between two generations).
         self._built_once = False
         self._kept: StateMessage | None = None
+        every = os.environ.get(channel.ENV_SHARD_COPY_EVERY, "")
+        self.copies = BuddyCopies(int(every)) \
+            if every.isdigit() and int(every) > 0 and state.build is not None else None
         if link.board is not None and os.environ.get(channel.ENV_HEARTBEAT) != "0":
             Heartbeat(link.board, link.slot)
 
@@ -223,6 +235,8 @@ class _Runner:
                 link.send(channel.Finished(gen=gen.gen, rank=gen.rank, step=self.state.step))
                 announced = link.wait(None)
                 if isinstance(announced, channel.Exit):
+                    if self.copies is not None:  # no gloo thread left at exit
+                        self.copies.settle(timeout=_FATAL_WAIT_S)
                     # The groups stay up for the script's epilogue, and go before the
                     # interpreter finalizes: a gloo thread still dropping a collective
                     # then aborts the process (seen with an HSDP mesh's subgroups).
@@ -281,10 +295,15 @@ class _Runner:
         fresh = gen.reason == "start"
         if state.build is not None:
             self._rebuild(gen)
-        stats = agree_and_transfer(self.carrier, fresh=fresh, predecessor=self._predecessor(gen))
+        if self.copies is not None:
+            self.copies.open(gen.rank, gen.world_size, _local_world(gen.world_size))
+        stats = agree_and_transfer(self.carrier, fresh=fresh, predecessor=self._predecessor(gen),
+                                   copies=self.copies)
         self.layouts.keep_buffers = not fresh
         self.rollback.refresh_layout()
         self.rollback.capture()
+        if self.copies is not None:  # every rank holds the generation's first state
+            self.copies.snapshot(lambda: self.carrier.message().to_tree(), link.stale)
         link.send(channel.Resumed(
             gen=gen.gen, rank=gen.rank, step=stats.step, handoff_s=t1 - t0,
             group_s=t2 - t1, agree_s=stats.agree_s, transfer_s=stats.transfer_s,
@@ -304,6 +323,8 @@ class _Runner:
         replicas all-reducing) is released only when those groups are dropped here, as
         the default group's peers are by :func:`group.teardown`."""
         state, rollback = self.state, self.rollback
+        if self.copies is not None:
+            self.copies.close()
         if not state.built:
             return
         self._kept = None
@@ -388,18 +409,21 @@ class _Runner:
     def _handoff(self, store: dist.Store, handoff: channel.Handoff, receiver: bool) -> int:
         """Move the state from the retiring rank (0) to its replacement (1).
 
-        Not for ``State(build=...)``: that state is bound to the generation's groups and
-        the replacement has built nothing yet; it receives the state in the agreement
-        instead, from a rank that holds the same pieces (under HSDP the retiring rank's
-        replica peer; with none, the agreement's ``StateLost`` and ``--spare-policy``).
-        Both sides know it from the script alone."""
-        if self.state.build is not None:
-            return 0
+        ``State(build=...)``: the state is bound to the generation's groups, and the
+        replacement has built nothing yet. The retiring rank sends the local pieces it
+        kept when training stopped (:meth:`_release_built`); the replacement keeps them
+        until it has built its objects for the generation (:meth:`_rebuild`): its own
+        shard, straight from the retiring rank, whatever other copy exists."""
+        built = self.state.build is not None
         pstore = dist.PrefixStore(handoff.prefix, store)
         group.arrival_barrier(pstore, "arrived", 2, self.link.stale,
                               self.timeout.total_seconds())
         pg = dist.ProcessGroupGloo(pstore, 1 if receiver else 0, 2, self.timeout)
         try:
+            if receiver and built:
+                got, self._kept = recv_pieces(pg, 0)
+                self.state._holds = True
+                return got
             if receiver:
                 got = recv_state(self.carrier, pg, 0)
                 self.state._holds = True
@@ -408,6 +432,12 @@ class _Runner:
                 self.rollback.refresh_layout()
                 self.rollback.capture()
                 return got
+            if built:
+                if self._kept is None:
+                    raise StateLost("the retiring rank cannot restore its committed state")
+                if self.copies is not None:
+                    self.copies.settle(timeout=_FATAL_WAIT_S)  # its last copy, delivered
+                return send_pieces(self._kept, pg, 1)
             if not self.rollback.restore():
                 raise StateLost("the retiring rank cannot restore its committed state")
             held = sharding.dtensor_paths(self.state.objects)
@@ -436,6 +466,11 @@ class _Runner:
 def _local_rank() -> int:
     value = os.environ.get("LOCAL_RANK", "0")
     return int(value) if value.isdigit() else 0
+
+
+def _local_world(world: int) -> int:
+    value = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(value) if value.isdigit() and int(value) > 0 else world
 
 
 def _fatal_kind(e: Exception) -> Literal["state_lost", "diverged", "usage"]:

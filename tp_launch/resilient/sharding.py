@@ -76,30 +76,30 @@ def dtensor_paths(objects: dict[str, Any]) -> list[str]:
             for path, _ in _dtensors(obj.state_dict(), name)]
 
 
-def _map_tensors(tree: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+def map_tensors(tree: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     """``tree`` (dicts, lists, tuples; a named tuple is a leaf) with ``fn`` of each tensor."""
     if isinstance(tree, torch.Tensor):
         return fn(tree)
     if isinstance(tree, dict):
-        return {k: _map_tensors(v, fn) for k, v in tree.items()}
+        return {k: map_tensors(v, fn) for k, v in tree.items()}
     if isinstance(tree, list):
-        return [_map_tensors(v, fn) for v in tree]
+        return [map_tensors(v, fn) for v in tree]
     if isinstance(tree, tuple) and not hasattr(tree, "_fields"):
-        return tuple(_map_tensors(v, fn) for v in tree)
+        return tuple(map_tensors(v, fn) for v in tree)
     return tree
 
 
 def without_dtensors(tree: Any) -> Any:
     """``tree`` with every DTensor replaced by a marker: what ranks compare of a state
     whose DTensor pieces differ from rank to rank."""
-    return _map_tensors(tree, lambda t: "<dtensor>" if is_dtensor(t) else t)
+    return map_tensors(tree, lambda t: "<dtensor>" if is_dtensor(t) else t)
 
 
 def local_tree(tree: Any) -> Any:
     """``tree`` with every DTensor replaced by its local piece (the same storage): what a
     rank sends of its shards, and what another rank with the same shard coordinates
     holds identically."""
-    return _map_tensors(tree, local_piece)
+    return map_tensors(tree, local_piece)
 
 
 def has_dtensors(module: torch.nn.Module) -> bool:
@@ -139,7 +139,7 @@ def optimizer_pieces_rehomed(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> 
         from torch.distributed.tensor import DTensor
 
         local = p.to_local()
-        state[i] = {k: DTensor.from_local(v, p.device_mesh, p.placements,
+        state[i] = {k: DTensor.from_local(v.to(local.device), p.device_mesh, p.placements,
                                           run_check=False, shape=p.shape, stride=p.stride())
                     if isinstance(v, torch.Tensor) and not is_dtensor(v)
                     and v.shape == local.shape and v.dim() > 0 else v

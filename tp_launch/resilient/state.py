@@ -42,7 +42,7 @@ import hashlib
 import json
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Collection, Iterable, Iterator
 
 import torch
 
@@ -408,7 +408,8 @@ class State:
         for name, obj in self.objects.items():
             obj.load_state_dict(sd["objects"][name])
 
-    def digest(self, buffers: bool = True, sharded: bool = True) -> str:
+    def digest(self, buffers: bool = True, sharded: bool = True,
+               skip: Collection[str] = ()) -> str:
         """A hash of the whole state (position, extra, every registered object): equal
         on two ranks exactly when their states are bit-identical. ``buffers=False``
         leaves out the modules' buffers, which differ between DDP ranks between two
@@ -417,9 +418,12 @@ class State:
         from rank to rank (with them: each one's local piece). The cursor's ``ended`` is
         left out: it says whether ``train`` returned on this rank, which ranks at the same
         last step may differ in (one was told of a failure at its last commit, another
-        had already returned) with the same training state."""
+        had already returned) with the same training state. ``skip``: objects left out
+        (each rank's own: a data stream of its own)."""
         objects = {}
         for name, obj in self.objects.items():
+            if name in skip:
+                continue
             sd = obj.state_dict()
             if not buffers and isinstance(obj, torch.nn.Module):
                 own = {n for n, _ in obj.named_buffers()}

@@ -35,26 +35,31 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Collection, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
 from tp_launch.resilient import per_rank, rng, sharding
+from tp_launch.resilient.copies import BuddyCopies, CopiesLost, copy_plan
 from tp_launch.resilient.ddp import Layouts
 from tp_launch.resilient.group import all_gather_flat
 from tp_launch.resilient.rollback import Rollback
 from tp_launch.resilient.state import Cursor, State, digest_tree
 from tp_launch.resilient.wire import (
     DTYPES,
+    CopyRow,
+    EncodeError,
     Holding,
     StateMessage,
     WireError,
     fill,
     leaves,
     receive_document,
+    receive_message,
     receive_tensors,
     send_message,
     tensor_bytes,
@@ -94,6 +99,7 @@ class Carrier:
     initial_rng: rng.RngState  # the generators when run() began (to tell unused ones)
     initial_buffers: int  # digest of the modules' buffers when run() began
     per_rank_generators: set[str] = field(default_factory=set)  # known at the fresh start
+    per_rank_objects: set[str] = field(default_factory=set)  # likewise
 
     @staticmethod
     def of(state: State, rollback: Rollback | None = None,
@@ -117,7 +123,8 @@ class Carrier:
                             rng=rb.rng if rb.rng is not None else rng.capture(),
                             grads=rb.gradients(), modes=rb.modes(),
                             layouts=self.layouts.to_tree(),
-                            per_rank_generators=sorted(self.per_rank_generators))
+                            per_rank_generators=sorted(self.per_rank_generators),
+                            per_rank_objects=sorted(self.per_rank_objects))
 
 
 # ---------------------------------------------------------------- send / receive
@@ -159,6 +166,23 @@ def _p2p(pg: Any, peer: int, receive: bool) -> Callable[[torch.Tensor], None]:
 def send_state(carrier: Carrier, pg: PeerGroup, dst: int) -> int:
     """Send the committed state to ``dst`` in ``pg``; returns the tensor bytes sent."""
     return send_message(carrier.message().to_tree(), _p2p(pg, dst, receive=False))
+
+
+def send_pieces(message: StateMessage, pg: PeerGroup, dst: int) -> int:
+    """Send a state kept as local pieces (a built state between two generations) to
+    ``dst`` in ``pg``; returns the tensor bytes sent."""
+    return send_message(message.to_tree(), _p2p(pg, dst, receive=False))
+
+
+def recv_pieces(pg: PeerGroup, src: int) -> tuple[int, StateMessage]:
+    """Receive a state of local pieces from ``src`` in ``pg`` into host memory (to be
+    adopted once this process has built its objects); returns the bytes and the state.
+
+    Raises:
+        WireError: the message is malformed, or not a training state.
+    """
+    got, tree = receive_message(_p2p(pg, src, receive=True))
+    return got, StateMessage.from_tree(tree)
 
 
 def recv_state(carrier: Carrier, pg: PeerGroup, src: int) -> int:
@@ -225,6 +249,8 @@ def adopt(carrier: Carrier, message: StateMessage,
         carrier.layouts.adopt(message.layouts)
         carrier.per_rank_generators = {g for g in message.per_rank_generators
                                        if g in rng.GENERATORS}
+        carrier.per_rank_objects = {n for n in message.per_rank_objects
+                                    if n in state.objects}
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise WireError(f"the received state does not fit this script's: {e}") from None
 
@@ -251,7 +277,8 @@ Predecessor = Callable[[int], Optional[per_rank.Entry]]
 
 
 def agree_and_transfer(carrier: Carrier, fresh: bool,
-                       predecessor: Predecessor | None = None) -> TransferStats:
+                       predecessor: Predecessor | None = None,
+                       copies: BuddyCopies | None = None) -> TransferStats:
     """On the current default group: agree on the committed state and bring every rank
     to it, then check that the ranks hold the same replicated state.
 
@@ -260,6 +287,8 @@ def agree_and_transfer(carrier: Carrier, fresh: bool,
         fresh: the job's first generation (no rank can have received anything yet).
         predecessor: a newcomer's access to what its rank's previous process recorded
             on this node (:mod:`tp_launch.resilient.per_rank`), by step.
+        copies: the buddy copies (:mod:`tp_launch.resilient.copies`) to go back to when
+            no survivor holds some rank's pieces; the same on every rank (None or not).
 
     Raises:
         StateLost: no rank can provide the committed state exactly.
@@ -298,13 +327,14 @@ def agree_and_transfer(carrier: Carrier, fresh: bool,
         carrier.per_rank_generators = {
             g for i, g in enumerate(rng.GENERATORS)
             if len({row.generators[i] for row in rows}) > 1}
+        carrier.per_rank_objects = _differing_objects(state, world)
         state._holds = True
         return stats
     if any(r.sharded for r in rows) and state.build is None:
         # Every rank decides alike (a newcomer's model is not sharded yet): none waits.
         raise StateLost(sharding.not_recovered(max(r.sharded for r in rows),
                                                sharded[0] if sharded else None))
-    if top < 0:
+    if top < 0 and copies is None:
         raise StateLost("no rank holds the training state any more (every rank that "
                         "held it failed, or was cut off after its optimizer step)")
     counts = {r.sharded for r in rows}
@@ -312,7 +342,15 @@ def agree_and_transfer(carrier: Carrier, fresh: bool,
         raise StateLost(f"the ranks' built states differ: {sorted(counts)} sharded tensors "
                         "(State(build=...) must build the same objects on every rank)")
     classes = sharding.copy_classes(state.modules, world) if counts != {0} else None
-    plan = donor_plan(steps, classes)
+    try:
+        plan = donor_plan(steps, classes) if top >= 0 else None
+    except StateLost:
+        if copies is None:
+            raise
+        plan = None
+    if plan is None:  # every rank decides alike, from the same rows
+        assert copies is not None
+        return _back_to_copies(carrier, copies, stats, pg)
     donors = [r for r, s in enumerate(steps) if s == top]
     t1 = time.monotonic()
     if rank in plan:
@@ -337,12 +375,99 @@ def agree_and_transfer(carrier: Carrier, fresh: bool,
                     f"received from rank {plan[rank]}" if rank in plan else "sent",
                     stats.bytes, stats.transfer_s)
     t2 = time.monotonic()
-    verify(state)
+    verify(state, carrier.per_rank_objects)
     stats.verify_s = time.monotonic() - t2
     return stats
 
 
+def _differing_objects(state: State, world: int) -> set[str]:
+    """The registered objects, neither modules nor optimizers, whose state differs
+    between the ranks at the job's start: each rank's own (a data stream seeded by
+    rank). Collective."""
+    names = sorted(state.others)
+    words = [_object_word(state.objects[n]) for n in names]
+    gathered = torch.zeros(world * len(names), dtype=torch.int64)
+    if names:
+        all_gather_flat(gathered, torch.tensor(words, dtype=torch.int64))
+    rows = gathered.view(world, len(names)).tolist() if names else []
+    return {n for i, n in enumerate(names) if len({row[i] for row in rows}) > 1}
+
+
+def _object_word(obj: Any) -> int:
+    """64 bits of a digest of ``obj.state_dict()``; 0 for one the wire cannot carry (it
+    fails if it ever has to travel, not here)."""
+    try:
+        return int.from_bytes(bytes.fromhex(digest_tree(obj.state_dict()))[:8], "little",
+                              signed=True)
+    except EncodeError:
+        return 0
+
+
 _BUFFERS_BIT = len(rng.GENERATORS)
+_SETTLE_S = 60.0  # the last exchange of copies: its peers are gone or in this generation
+
+
+def _back_to_copies(carrier: Carrier, copies: BuddyCopies, stats: TransferStats,
+                    pg: PeerGroup) -> TransferStats:
+    """Some rank's pieces are held by no survivor: every rank goes back to the latest
+    snapshot step all can reach, from its own snapshot or its holder's copy of it
+    (:mod:`tp_launch.resilient.copies`)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t0 = time.monotonic()
+    if not copies.settle(timeout=_SETTLE_S):
+        logger.warning("rank %s: the last exchange of buddy copies did not end within "
+                       "%.0f s; what it was receiving is not counted", rank, _SETTLE_S)
+    gathered = torch.zeros(world * CopyRow.width(), dtype=torch.int64)
+    all_gather_flat(gathered, copies.row().to_tensor())
+    rows = CopyRow.rows(gathered, world)
+    try:
+        step, plan = copy_plan(rows, copies.holders(world))
+    except CopiesLost as e:
+        raise StateLost(str(e)) from None
+    stats.step, stats.agree_s = step, stats.agree_s + time.monotonic() - t0
+    t1 = time.monotonic()
+    served = [receiver for receiver, holder in plan.items() if holder == rank]
+    serving = _Background(lambda: sum(copies.serve(step, _p2p(pg, r, receive=False))
+                                      for r in served)) if served else None
+    if rank in plan:
+        stats.donor = plan[rank]
+        stats.bytes = recv_state(carrier, pg, plan[rank])
+    else:
+        adopt(carrier, StateMessage.from_tree(copies.own_state(step)))
+    if serving is not None:
+        stats.bytes += serving.result()
+    stats.transfer_s = time.monotonic() - t1
+    carrier.state._holds = True
+    logger.info("rank %s: back to step %s from buddy copies (%s, %d bytes, %.3f s)", rank,
+                step, f"received from rank {plan[rank]}" if rank in plan else "its own",
+                stats.bytes, stats.transfer_s)
+    t2 = time.monotonic()
+    verify(carrier.state, carrier.per_rank_objects)
+    stats.verify_s = time.monotonic() - t2
+    return stats
+
+
+class _Background:
+    """A function run on a thread of its own; :meth:`result` waits for it and raises
+    what it raised (a holder serves a newcomer while it receives from another)."""
+
+    def __init__(self, fn: Callable[[], int]) -> None:
+        self._result = 0
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[[], int]) -> None:
+        try:
+            self._result = fn()
+        except BaseException as e:
+            self._error = e
+
+    def result(self) -> int:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result
 
 
 def donor_plan(steps: Sequence[int], classes: Sequence[Any] | None = None) -> dict[int, int]:
@@ -420,6 +545,9 @@ def _own_state(carrier: Carrier, rows: list[Holding], donors: list[int],
         carrier.rollback.set_buffers(mine.buffers)
     if not restored and used & (1 << _BUFFERS_BIT):
         lost.append("module buffers")
+    # Each rank's own objects (a data stream of its own) came from the donor: only a
+    # buddy copy (--shard-copy-every) keeps this rank's.
+    lost += sorted(carrier.per_rank_objects)
     if lost:
         logger.warning("rank %s: its own %s at step %s died with its previous process; it "
                        "goes on with a donor's (results may differ from a run without the "
@@ -427,18 +555,19 @@ def _own_state(carrier: Carrier, rows: list[Holding], donors: list[int],
     return lost
 
 
-def verify(state: State) -> None:
-    """All ranks compare a digest of their replicated state.
+def verify(state: State, own: Collection[str] = ()) -> None:
+    """All ranks compare a digest of their replicated state (``own``: the objects that
+    are each rank's own, left out).
 
     Raises:
         Diverged: naming the ranks that differ from the lowest rank's state.
     """
     world = dist.get_world_size()
     classes = sharding.copy_classes(state.modules, world)
-    pieces = sharding.local_tree({n: o.state_dict() for n, o in state.objects.items()}) \
-        if classes is not None else None
+    pieces = sharding.local_tree({n: o.state_dict() for n, o in state.objects.items()
+                                  if n not in own}) if classes is not None else None
     words = [int.from_bytes(w[i:i + 8], "little", signed=True)
-             for w in (bytes.fromhex(state.digest(buffers=False, sharded=False)),
+             for w in (bytes.fromhex(state.digest(buffers=False, sharded=False, skip=own)),
                        bytes.fromhex(digest_tree(pieces))) for i in (0, 8)]
     gathered = torch.zeros(world * 4, dtype=torch.int64)
     all_gather_flat(gathered, torch.tensor(words, dtype=torch.int64))
@@ -458,5 +587,5 @@ def verify(state: State) -> None:
 
 
 __all__ = ["Carrier", "Diverged", "PeerGroup", "StateLost", "TransferStats", "adopt",
-           "agree_and_transfer", "buffers_digest", "donor_plan", "recv_state", "send_state",
-           "verify"]
+           "agree_and_transfer", "buffers_digest", "donor_plan", "recv_pieces", "recv_state",
+           "send_pieces", "send_state", "verify"]

@@ -45,7 +45,8 @@ What travels, typed here and parsed strictly (a :class:`WireError` names what is
   :mod:`tp_launch.resilient.rng`), ``grads`` and ``modes`` (module name -> one bool per
   parameter: had a gradient; per submodule: ``training``), ``layouts`` (fingerprint ->
   a DDP bucket layout: ``tp_launch.resilient.ddp.Layout.to_tree()``) and
-  ``per_rank_generators`` (generator names). The nested position and layouts are
+  ``per_rank_generators`` and ``per_rank_objects`` (names of the generators and the
+  registered objects whose state is each rank's own). The nested position and layouts are
   checked by their own types when adopted.
 * :class:`Holding`, one rank's row of the agreement before a transfer, all-gathered as
   int64 words in this order: ``step`` (the committed step it can provide, -1: none),
@@ -53,6 +54,9 @@ What travels, typed here and parsed strictly (a :class:`WireError` names what is
   i-th generator of :data:`tp_launch.resilient.rng.GENERATORS` was drawn from since
   ``run()`` began; the next bit: the modules' buffers changed), ``buffers`` (a digest
   of its committed module buffers), then one digest word per generator.
+* :class:`CopyRow`, one rank's row of a recovery from buddy copies
+  (:mod:`tp_launch.resilient.copies`): the steps of its own snapshots, then of the
+  complete copies it holds of its ward's (:data:`CopyRow.KEPT` words each, -1: none).
 """
 
 from __future__ import annotations
@@ -69,7 +73,7 @@ import torch
 from tp_launch.resilient.sharding import local_piece
 
 MAGIC = 0x5450_5253_5441_5445  # "TPRSTATE"
-VERSION = 1
+VERSION = 2
 MAX_DOCUMENT = 256 << 20  # a state's structure, not its tensors: generous
 MAX_DIMS = 32
 
@@ -134,6 +138,7 @@ class StateMessage:
     modes: dict[str, list[bool]]
     layouts: dict[str, Any]
     per_rank_generators: list[str]
+    per_rank_objects: list[str]
 
     def to_tree(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -155,9 +160,10 @@ class StateMessage:
             if not all(isinstance(v, list) and all(type(b) is bool for b in v)
                        for v in tree[name].values()):
                 raise WireError(f"the state's {name} are not lists of booleans")
-        generators = tree["per_rank_generators"]
-        if not (isinstance(generators, list) and all(isinstance(g, str) for g in generators)):
-            raise WireError("the state's per_rank_generators are not a list of names")
+        for name in ("per_rank_generators", "per_rank_objects"):
+            listed = tree[name]
+            if not (isinstance(listed, list) and all(isinstance(g, str) for g in listed)):
+                raise WireError(f"the state's {name} are not a list of names")
         return StateMessage(**{name: tree[name] for name in names})
 
 
@@ -188,6 +194,34 @@ class Holding:
                 or gathered.numel() // world < Holding.width(0):
             raise WireError(f"bad agreement of {gathered.numel()} words for {world} ranks")
         return [Holding(r[0], r[1], r[2], r[3], r[4], tuple(r[5:]))
+                for r in gathered.view(world, -1).tolist()]
+
+
+@dataclass(frozen=True)
+class CopyRow:
+    """One rank's row of a recovery from buddy copies (see the module's docstring)."""
+
+    KEPT = 2  # snapshots kept of each kind: the latest may be torn when its sender died
+
+    own: tuple[int, ...]
+    ward: tuple[int, ...]
+
+    @staticmethod
+    def width() -> int:
+        return 2 * CopyRow.KEPT
+
+    def to_tensor(self) -> torch.Tensor:
+        pad = [-1] * self.KEPT
+        return torch.tensor([*(list(self.own) + pad)[:self.KEPT],
+                             *(list(self.ward) + pad)[:self.KEPT]], dtype=torch.int64)
+
+    @staticmethod
+    def rows(gathered: torch.Tensor, world: int) -> list[CopyRow]:
+        """The rows of an all-gather of :meth:`to_tensor` over ``world`` ranks."""
+        k = CopyRow.KEPT
+        if gathered.dtype != torch.int64 or gathered.numel() != world * CopyRow.width():
+            raise WireError(f"bad copy agreement of {gathered.numel()} words for {world} ranks")
+        return [CopyRow(tuple(s for s in r[:k] if s >= 0), tuple(s for s in r[k:] if s >= 0))
                 for r in gathered.view(world, -1).tolist()]
 
 
@@ -409,6 +443,18 @@ def receive_document(recv: Recv) -> tuple[Any, list[TensorSpec]]:
         raise WireError("the document lacks its tree or tensor list")
     specs = [TensorSpec.from_json(s) for s in doc["tensors"]]
     return decode(doc["tree"], len(specs)), specs
+
+
+def receive_message(recv: Recv, spare: Sequence[torch.Tensor] = ()) -> tuple[int, Any]:
+    """The next message whole, its tensors in host memory: the i-th into ``spare[i]``
+    where that fits its declaration, else a new tensor; returns (bytes, tree)."""
+    tree, specs = receive_document(recv)
+    buffers = [spare[i] if i < len(spare) and tuple(spare[i].shape) == s.shape
+               and spare[i].dtype == DTYPES[s.dtype] and spare[i].is_contiguous()
+               and spare[i].device.type == "cpu"
+               else torch.empty(s.shape, dtype=DTYPES[s.dtype]) for i, s in enumerate(specs)]
+    got = receive_tensors(specs, buffers, recv)
+    return got, fill(tree, buffers)
 
 
 def receive_tensors(specs: Sequence[TensorSpec], buffers: Sequence[torch.Tensor],

@@ -1,0 +1,258 @@
+"""Buddy copies: each rank's committed state, also held in another rank's host memory.
+
+Plain FSDP keeps one copy of each shard: when a rank dies, its shard of the parameters
+and of the optimizer state, and everything that is its own (its data loader's position,
+generators seeded per rank), exist nowhere else. With ``--shard-copy-every K``
+(``State(build=...)`` scripts) every rank, when it enters a generation and at every
+commit of a step that is a multiple of K:
+
+1. copies its committed state (:meth:`Carrier.message`: every local piece, the
+   position, the generators, every registered object's ``state_dict()``) into host
+   memory: its **own snapshot**;
+2. sends that snapshot to its **holder** in the background (a thread, over a gloo group
+   made for the copies), while another thread receives its **ward**'s snapshot: the next
+   step's compute overlaps both. The holder of rank r is ``r + ranks per node`` (another
+   node) when the job spans nodes, else ``r + 1``, modulo the world size; r's ward is
+   the rank whose holder r is.
+
+A rank keeps its last :data:`CopyRow.KEPT` own snapshots and complete copies of its
+ward's: the copy that was arriving when its sender died is torn, the one before it must
+still be there. A snapshot starts only once the last one's exchange is over.
+
+After a failure the agreement (:mod:`tp_launch.resilient.transfer`) first tries to
+recover at the same step from live holders of every piece (replicated state, HSDP's
+replica peers). Only when some rank's pieces are held by no survivor does every rank
+gather a :class:`CopyRow`, and :func:`copy_plan` picks the latest snapshot step T that
+every rank can go back to: from its own snapshot, or from its holder's copy of it.
+Every rank goes back to T, survivors from their own snapshots, the others receiving
+their holder's copy; the steps after T are computed again. T is the last committed
+step when its copies had arrived (every step: the step in flight is the only one
+recomputed); at most ``2K`` steps back. No such T (a rank died with its holder, or
+before its first copy arrived): :class:`StateLost`, and ``--spare-policy`` applies.
+
+Cost, per rank: host memory for ``2 * KEPT`` copies of a rank's state (its shard of the
+parameters and optimizer state and its own objects), one memory copy of it on the
+training thread per snapshot, and one send plus one receive of it in the background.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from tp_launch.resilient.sharding import map_tensors
+from tp_launch.resilient.state import Cursor, GenerationChanged
+from tp_launch.resilient.wire import CopyRow, receive_message, send_message
+
+logger = logging.getLogger(__name__)
+
+
+class CopiesLost(RuntimeError):
+    """No snapshot step every rank can go back to."""
+
+
+def holder_of(rank: int, world: int, local_world: int) -> int:
+    """The rank that holds ``rank``'s copies: the same local rank on the next node when
+    the job spans nodes (a node lost takes no copy with it), else the next rank."""
+    shift = local_world if 0 < local_world < world and world % local_world == 0 else 1
+    return (rank + shift) % world
+
+
+def ward_of(rank: int, world: int, local_world: int) -> int:
+    """The rank whose copies ``rank`` holds (:func:`holder_of` inverted)."""
+    shift = local_world if 0 < local_world < world and world % local_world == 0 else 1
+    return (rank - shift) % world
+
+
+def copy_plan(rows: Sequence[CopyRow], holders: Sequence[int]) -> tuple[int, dict[int, int]]:
+    """The step every rank goes back to, and receiver -> the holder that serves it.
+
+    The latest step T held as an own snapshot by some rank such that every rank holds
+    its own snapshot of T or its holder (another rank) holds a complete copy of it.
+
+    Raises:
+        CopiesLost: no such step.
+    """
+    steps = sorted({s for row in rows for s in row.own}, reverse=True)
+    missing: list[int] = []
+    for t in steps:
+        plan: dict[int, int] = {}
+        missing = []
+        for r, row in enumerate(rows):
+            if t in row.own:
+                continue
+            h = holders[r]
+            if h != r and t in rows[h].ward:
+                plan[r] = h
+            else:
+                missing.append(r)
+        if not missing:
+            return t, plan
+    latest = f" (at step {steps[0]}: rank(s) {_missing_at(rows, holders, steps[0])})" \
+        if steps else ""
+    raise CopiesLost("no buddy copy every rank can go back to" + latest +
+                     ": a rank was lost together with the rank holding its copy, or "
+                     "before its first copy arrived")
+
+
+def _missing_at(rows: Sequence[CopyRow], holders: Sequence[int], t: int) -> list[int]:
+    return [r for r, row in enumerate(rows)
+            if t not in row.own and (holders[r] == r or t not in rows[holders[r]].ward)]
+
+
+def _step_of(tree: dict[str, Any]) -> int:
+    return Cursor.from_tree(tree["cursor"]).step
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    map_tensors(tree, found.append)
+    return found
+
+
+def _host_copy(tree: Any, spare: Any = None) -> Any:
+    """``tree`` with its tensors copied into host memory: into the tensors of ``spare``
+    (a dropped copy of the same state) where they fit, else into new ones. Fresh pages
+    cost a fault each: for a large shard, most of the copy's time."""
+    pool = iter(_tensors(spare))
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        old, t = next(pool, None), t.detach()
+        if old is not None and old.shape == t.shape and old.dtype == t.dtype:
+            return old.copy_(t)
+        return t.to("cpu", copy=True)
+    return map_tensors(tree, copy)
+
+
+class BuddyCopies:
+    """This rank's own snapshots and its copies of its ward's, and their exchange."""
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self.own: dict[int, Any] = {}  # step -> the snapshot's tree (host tensors)
+        self.ward: dict[int, Any] = {}  # step -> a complete copy of the ward's
+        self._lock = threading.Lock()  # self.ward: written by the receiving thread
+        self._threads: list[threading.Thread] = []
+        self._pg: Any = None
+        self.rank = self.holder = self.ward_rank = 0
+        self.local_world = 1
+
+    def open(self, rank: int, world: int, local_world: int) -> None:
+        """On every rank of a new generation, after its group is built (a collective):
+        the group the copies travel on, and who holds whose."""
+        self._pg = dist.new_group(backend="gloo")
+        self.rank, self.local_world = rank, local_world
+        self.holder = holder_of(rank, world, local_world)
+        self.ward_rank = ward_of(rank, world, local_world)
+
+    def holders(self, world: int) -> list[int]:
+        """Every rank's holder in a world of ``world`` ranks."""
+        return [holder_of(r, world, self.local_world) for r in range(world)]
+
+    def close(self) -> None:
+        """Training stopped: let go of the generation's copy group (its peers blocked
+        in an exchange with this rank are released when the groups are destroyed)."""
+        self._pg = None
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
+
+    def snapshot(self, message: Callable[[], Any], stale: Callable[[], bool]) -> None:
+        """Copy the committed state (``message()``: its tree) and start its exchange."""
+        self.settle(stale=stale)
+        pg = self._pg
+        if pg is None:
+            return
+        live = message()
+        step = _step_of(live)
+        kept = _keep(self.own, step - 1, CopyRow.KEPT - 1)
+        tree = _host_copy(live, _dropped(self.own, kept))
+        del live
+        self.own = {**kept, step: tree}
+        with self._lock:  # room for the copy about to arrive
+            ward = _keep(self.ward, step - 1, CopyRow.KEPT - 1)
+            spare = _dropped(self.ward, ward)
+            self.ward = ward
+        if self.holder == self.ward_rank == self.rank:
+            return  # a world of one: nobody to hold it
+        self._threads = [
+            threading.Thread(target=self._send, args=(pg, tree), daemon=True,
+                             name="tp-run buddy copy send"),
+            threading.Thread(target=self._receive, args=(pg, spare), daemon=True,
+                             name="tp-run buddy copy receive")]
+        for t in self._threads:
+            t.start()
+
+    def settle(self, timeout: float | None = None,
+               stale: Callable[[], bool] | None = None) -> bool:
+        """Wait for the exchange in flight; whether it ended (False: ``timeout`` passed).
+
+        Raises:
+            GenerationChanged: ``stale()`` turned true while waiting.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for t in self._threads:
+            while t.is_alive():
+                if stale is not None and stale():
+                    raise GenerationChanged("a newer generation was announced")
+                if deadline is not None and time.monotonic() > deadline:
+                    return False
+                t.join(0.05)
+        self._threads = []
+        return True
+
+    def row(self) -> CopyRow:
+        with self._lock:
+            ward = sorted(self.ward, reverse=True)
+        return CopyRow(tuple(sorted(self.own, reverse=True)), tuple(ward))
+
+    def own_state(self, step: int) -> Any:
+        """This rank's own snapshot of ``step``, copied (what adopts it may keep the
+        tensors, and the snapshot must stay as it was)."""
+        return map_tensors(self.own[step], torch.clone)
+
+    def serve(self, step: int, send: Callable[[torch.Tensor], None]) -> int:
+        """Send the ward's copy of ``step``; returns the tensor bytes sent."""
+        with self._lock:
+            tree = self.ward[step]
+        return send_message(tree, send)
+
+    def _send(self, pg: Any, tree: Any) -> None:
+        try:
+            send_message(tree, lambda t: pg.send([t], self.holder, 0).wait())
+        except Exception as e:  # the holder died, or the generation ended
+            logger.info("buddy copy to rank %s not sent: %s", self.holder, e)
+
+    def _receive(self, pg: Any, spare: Any) -> None:
+        def recv(t: torch.Tensor) -> None:
+            pg.recv([t], self.ward_rank, 0).wait()
+
+        try:
+            _, copy = receive_message(recv, _tensors(spare))
+            step = _step_of(copy)
+        except Exception as e:  # torn: the ward died, or the generation ended
+            logger.info("buddy copy from rank %s not received: %s", self.ward_rank, e)
+            return
+        with self._lock:
+            self.ward = _keep({**self.ward, step: copy}, step, CopyRow.KEPT)
+
+
+def _dropped(copies: dict[int, Any], kept: dict[int, Any]) -> Any:
+    """One of the copies ``kept`` leaves out (its memory is reused), or None."""
+    gone = [s for s in copies if s not in kept]
+    return copies[max(gone)] if gone else None
+
+
+def _keep(copies: dict[int, Any], newest: int, count: int) -> dict[int, Any]:
+    """The ``count`` latest copies up to ``newest`` (a later one belongs to a timeline
+    the job went back from)."""
+    steps = sorted((s for s in copies if s <= newest), reverse=True)[:count]
+    return {s: copies[s] for s in steps}
+
+
+__all__ = ["BuddyCopies", "CopiesLost", "copy_plan", "holder_of", "ward_of"]
