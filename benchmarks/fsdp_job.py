@@ -78,6 +78,11 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, steps) -> list[float]:  
             opt.step()
             opt.zero_grad()
             if rank == 1 and step == args.kill_step and not Path(f"{OUT}.killed").exists():
+                from tp_launch.resilient import parked_spares
+
+                deadline = time.monotonic() + 120
+                while parked_spares() < 1 and time.monotonic() < deadline:
+                    time.sleep(0.05)  # the spare takes the rank: kill once it is parked
                 Path(f"{OUT}.killed").write_text(str(time.time()))
                 os.kill(os.getpid(), signal.SIGKILL)
             now = time.perf_counter()

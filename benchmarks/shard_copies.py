@@ -74,7 +74,10 @@ def killed_run(args: argparse.Namespace, tmp: Path) -> dict:
     (event,) = [json.loads(line) for p in glob.glob(str(logs / "*" / "recovery.jsonl"))
                 for line in open(p) if line.strip()]
     return {"resumed": event["detected_at"] - killed + event["resumed_s"],
-            "transfer": event["transfer_s"], "bytes": event["bytes"], "step": event["step"]}
+            "detect": event["detected_at"] - killed, "decide": event["decide_s"],
+            "group": event["rebuild_s"], "agree": event["agree_s"],
+            "transfer": event["transfer_s"], "verify": event["verify_s"],
+            "bytes": event["bytes"], "step": event["step"]}
 
 
 def main() -> None:
@@ -118,8 +121,11 @@ def main() -> None:
         print(f"\nkill -> resumed, copies every step: {k['resumed'] * 1000:.0f} ms (aim 0.5 s + "
               f"{k['bytes'] / 1e6:.0f} MB at the measured {rate / 1e9:.2f} GB/s = "
               f"{aim * 1000:.0f} ms: {'met' if k['resumed'] <= aim else 'missed'}); "
-              f"transfer {k['transfer'] * 1000:.0f} ms; back to step {k['step']} "
-              f"(killed after step 16's optimizer step)")
+              f"back to step {k['step']} (killed after step 16's optimizer step)")
+        parts = ("detect", "decide", "group", "agree", "transfer", "verify")
+        rest = k["resumed"] - sum(k[x] for x in parts)
+        print("  " + ", ".join(f"{x} {k[x] * 1000:.0f} ms" for x in parts) +
+              f", rebuilding FSDP and the rest {rest * 1000:.0f} ms")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"\n(load {os.getloadavg()[0]:.1f} at the end)")

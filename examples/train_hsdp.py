@@ -4,9 +4,11 @@
 
 ``--replicas 2`` (the default) is HSDP: a 2-D device mesh of 2 replica groups x
 world/2 shards; each block's parameters and AdamW state are sharded across a replica
-group and replicated across groups. ``--replicas 1`` is plain FSDP (one copy of each
-shard: a killed rank cannot be recovered from peers, and the job goes to
-``--spare-policy``).
+group and replicated across groups. ``--replicas 1`` is plain FSDP: one copy of each
+shard, so a killed rank comes back from the buddy copies of ``tp-run
+--shard-copy-every 1`` (without it the job goes to ``--spare-policy``):
+
+    tp-run --nproc-per-node 2 --spares 1 --shard-copy-every 1 examples/train_hsdp.py --replicas 1 --steps 60 --kill-rank 1 --kill-step 30
 
 ``--kill-rank/--kill-step`` make that rank SIGKILL itself once, after a spare has
 parked: the spare takes the rank and receives its shards from the rank with the same

@@ -155,6 +155,8 @@ def test_bad_flags_are_one_line_exit_2(workdir, test_env):
              (["--spares", "1", "--preempt-signal", "SIGFOO"], "--preempt-signal"),
              (["--on-preempt", "migrate"], "needs resilient mode"),
              (["--health-check", "true"], "needs resilient mode"),
+             (["--shard-copy-every", "1"], "--shard-copy-every needs resilient mode"),
+             (["--spares", "1", "--shard-copy-every", "-1"], "--shard-copy-every"),
              (["--spares", "1", "--health-check", "true", "--health-interval", "0"],
               "--health-interval")]
     for args, words in cases:

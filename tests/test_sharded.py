@@ -155,15 +155,19 @@ def test_replicas_that_differ_stop_the_job(workdir, test_env):
 
 
 @pytest.mark.slow
-def test_the_hsdp_example_ends_as_under_torchrun(tmp_path, test_env):
-    """examples/train_hsdp.py (a small transformer, HSDP on 4 ranks), its README command:
-    rank 1 killed at step 10, the printed checksum is torchrun's."""
+@pytest.mark.parametrize("world, options", [
+    ("4", ["--replicas", "2"]),  # HSDP: the replica peer serves
+    ("2", ["--replicas", "1"]),  # plain FSDP: the buddy copy serves
+])
+def test_the_sharded_example_ends_as_under_torchrun(tmp_path, test_env, world, options):
+    """examples/train_hsdp.py (a small transformer), its README commands: rank 1 killed
+    at step 10, the printed checksum is torchrun's."""
     example = str(Path(__file__).resolve().parent.parent / "examples" / "train_hsdp.py")
-    args = ["--nproc-per-node", "4", example, "--steps", "20"]
+    args = ["--nproc-per-node", world, example, "--steps", "20", *options]
     env = {**test_env, "OMP_NUM_THREADS": "1"}
     plain = run_launcher(TORCHRUN, args, env, tmp_path)
-    killed = run_launcher(TP_RUN, ["--spares", "1", *args, "--kill-rank", "1",
-                                   "--kill-step", "10"], env, tmp_path)
+    killed = run_launcher(TP_RUN, ["--spares", "1", "--shard-copy-every", "1", *args,
+                                   "--kill-rank", "1", "--kill-step", "10"], env, tmp_path)
     done = [re.findall(r"^done: .*params (\w+)$", p.stdout, re.M) for p in (plain, killed)]
     assert plain.returncode == 0 and killed.returncode == 0, killed.stderr[-3000:]
     assert done[0] and done[0] == done[1], (plain.stdout, killed.stdout)

@@ -249,6 +249,9 @@ class Recoverer:
             # (kept until a newcomer resumes: one that dies first leaves no record).
             if rank in before:
                 at.origin.setdefault(rank, before[rank])
+        # The status first: a rank told of the generation may read it at once (a
+        # spare counted as parked there after its promotion was taken for a free one).
+        self.write_status()
         for rank, slot in world.slot_of.items():
             at.tell(slot, at.generation_msg(rank, handoff=handoffs.get(rank),
                                             from_slot=at.origin.get(rank)))

@@ -97,16 +97,16 @@ def teardown() -> None:
             dist.destroy_process_group()
         except Exception as e:  # a broken group may complain; it is dropped either way
             logger.debug("destroy_process_group: %s", e)
-    gc.collect()  # DDP and the old group's work objects sit in reference cycles
+    _clear_dtensor_caches()
+    # One full collection (~100 ms in a process with torch and a model): DDP and the old
+    # group's work objects sit in reference cycles, and so may meshes.
+    gc.collect()
     _release_meshes()
 
 
-def _release_meshes() -> None:
-    """A ``DeviceMesh`` keeps its groups in a registry of its own, and DTensor's
-    sharding caches keep meshes alive after every DTensor of theirs is gone: the gloo
-    connections of an HSDP replica group stayed open, and the replica peer blocked in
-    its all-reduce with this rank waited for good. The caches are emptied and any mesh
-    still alive lets go of its groups (it belongs to a generation that is over)."""
+def _clear_dtensor_caches() -> None:
+    """DTensor's sharding caches keep meshes alive after every DTensor of theirs is
+    gone."""
     if "torch.distributed.tensor" not in sys.modules:
         return
     try:
@@ -117,14 +117,22 @@ def _release_meshes() -> None:
         clear_redistribute_planner_cache()
     except (ImportError, AttributeError) as e:  # another torch: the scan below suffices
         logger.debug("DTensor caches: %s", e)
-    gc.collect()
+
+
+def _release_meshes() -> None:
+    """A ``DeviceMesh`` keeps its groups in a registry of its own: the gloo connections
+    of an HSDP replica group stayed open, and the replica peer blocked in its
+    all-reduce with this rank waited for good. Any mesh still alive lets go of its
+    groups (it belongs to a generation that is over); dropping the registry's references
+    frees them at once (no cycle through a process group)."""
+    if "torch.distributed.device_mesh" not in sys.modules:
+        return
     from torch.distributed.device_mesh import DeviceMesh
 
     for obj in gc.get_objects():
         # type(), not isinstance(): the latter warns on torch's deprecated objects.
         if type(obj) is DeviceMesh and isinstance(getattr(obj, "_pg_registry", None), dict):
             obj._pg_registry.clear()
-    gc.collect()
 
 
 def all_gather_flat(output: torch.Tensor, input: torch.Tensor,
