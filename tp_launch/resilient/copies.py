@@ -17,7 +17,8 @@ commit of a step that is a multiple of K:
 
 A rank keeps its last :data:`CopyRow.KEPT` own snapshots and complete copies of its
 ward's: the copy that was arriving when its sender died is torn, the one before it must
-still be there. A snapshot starts only once the last one's exchange is over.
+still be there. Training never waits for a copy: at a commit whose snapshot would start
+while the last exchange is still on its way, the snapshot is skipped.
 
 After a failure the agreement (:mod:`tp_launch.resilient.transfer`) first tries to
 recover at the same step from live holders of every piece (replicated state, HSDP's
@@ -27,7 +28,7 @@ every rank can go back to: from its own snapshot, or from its holder's copy of i
 Every rank goes back to T, survivors from their own snapshots, the others receiving
 their holder's copy; the steps after T are computed again. T is the last committed
 step when its copies had arrived (every step: the step in flight is the only one
-recomputed); at most ``2K`` steps back. No such T (a rank died with its holder, or
+recomputed); at most ``2K`` steps back, more when exchanges take longer than K steps. No such T (a rank died with its holder, or
 before its first copy arrived): :class:`StateLost`, and ``--spare-policy`` applies.
 
 Cost, per rank: host memory for ``2 * KEPT`` copies of a rank's state (its shard of the
@@ -162,9 +163,22 @@ class BuddyCopies:
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 
-    def snapshot(self, message: Callable[[], Any], stale: Callable[[], bool]) -> None:
-        """Copy the committed state (``message()``: its tree) and start its exchange."""
-        self.settle(stale=stale)
+    def snapshot(self, message: Callable[[], Any],
+                 stale: Callable[[], bool] | None = None) -> None:
+        """Copy the committed state (``message()``: its tree) and start its exchange.
+
+        ``stale``: first wait for the last exchange (a generation's entry, whose
+        threads end when their peers have torn the last generation's groups down).
+        Without it (a commit), a snapshot whose last exchange is still on the way is
+        skipped: training never waits for a copy, and a holder that hangs does not hang
+        its ward (the hang detection must find the one that is stuck). Skips do not
+        misalign the exchanges: a copy is labelled by the step it holds, and each pair
+        of ranks sends and receives whole messages in order."""
+        if stale is not None:
+            self.settle(stale=stale)
+        elif any(t.is_alive() for t in self._threads):
+            logger.debug("buddy copy skipped: the last one is still on its way")
+            return
         pg = self._pg
         if pg is None:
             return

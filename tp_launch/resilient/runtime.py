@@ -169,7 +169,7 @@ class _ResilientHooks(Hooks):
             verify(state, r.carrier.per_rank_objects)
         copies = r.copies
         if copies is not None and copies.due(state.step) and not state.cursor.ended:
-            copies.snapshot(lambda: r.carrier.message().to_tree(), link.stale)
+            copies.snapshot(lambda: r.carrier.message().to_tree())
 
     def check(self, state: State) -> None:
         newer = self.r.link.newer()
