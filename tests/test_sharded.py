@@ -223,6 +223,19 @@ def test_every_k_steps_goes_back_to_the_last_copy(workdir, test_env, buddy_refer
 
 
 @pytest.mark.slow
+def test_a_hung_sharded_rank_comes_back_from_its_buddy_copy(workdir, test_env,
+                                                            buddy_reference_4):
+    """Rank 2 stops (SIGSTOP) after step 6's forward pass, its peers blocked in FSDP's
+    collectives with it and rank 1 sending it copies: the hang detection names rank 2
+    (not its ward), kills it, and the spare comes back from rank 3's copy; exact."""
+    proc, out = launch(workdir, test_env, TP_RUN,
+                       ["--nproc-per-node", "4", "--spares", "1", "--shard-copy-every", "1",
+                        "--hang-timeout", "2"],
+                       [*BUDDY, "--stop-rank", "2", "--stop-step", "6"])
+    exact(proc, out, buddy_reference_4, 4, "tp-run: hang: rank(s) [2] ")
+
+
+@pytest.mark.slow
 def test_a_rank_lost_with_its_copy_holder_goes_to_the_spare_policy(workdir, test_env):
     """Ranks 1 and 2 die together; rank 2 held rank 1's copy: one line, the policy
     (fail), no result written."""

@@ -21,6 +21,9 @@ optimizer step. ``--kill-ranks`` for several ranks at once. Every rank writes
 ``final_<rank>.json``: the steps trained, the process's first step (where it started or
 resumed) and a checksum of the full parameters and optimizer state.
 
+``--stop-rank R --stop-step S``: rank R stops itself (SIGSTOP, once per job) after the
+forward pass of step S: a hung rank, for the agent's hang detection.
+
 ``--per-rank-data``: each rank draws its batches from a data stream of its own (a
 generator seeded by rank, registered by ``build`` as ``data``): a newcomer that is not
 given the dead rank's position in it trains on other data and ends elsewhere.
@@ -63,6 +66,8 @@ p.add_argument("--corrupt-rank", type=int, default=-1,
                help="after step 3's optimizer step this rank adds 1e-3 to its piece of the "
                     "first weight (its replica peer's copy then differs)")
 p.add_argument("--per-rank-data", action="store_true")
+p.add_argument("--stop-rank", type=int, default=-1)
+p.add_argument("--stop-step", type=int, default=-1)
 p.add_argument("--hold-at", type=int, default=-1,
                help="after committing step S (and its checkpoint) each rank, once a spare is "
                     "parked, writes held_<rank> and waits for $OUT/release")
@@ -178,6 +183,11 @@ def train(state: resilient.State) -> None:
             hook.remove()
         if dying and args.kill_where == "forward":
             die_once(rank)
+        if step == args.stop_step and rank == args.stop_rank and \
+                not (OUT / "stopped").exists():
+            wait_parked()
+            (OUT / "stopped").touch()
+            os.kill(os.getpid(), signal.SIGSTOP)
         loss.backward()
         opt.step()
         if step == 3 and rank == args.corrupt_rank:
