@@ -28,8 +28,9 @@ every rank can go back to: from its own snapshot, or from its holder's copy of i
 Every rank goes back to T, survivors from their own snapshots, the others receiving
 their holder's copy; the steps after T are computed again. T is the last committed
 step when its copies had arrived (every step: the step in flight is the only one
-recomputed); at most ``2K`` steps back, more when exchanges take longer than K steps. No such T (a rank died with its holder, or
-before its first copy arrived): :class:`StateLost`, and ``--spare-policy`` applies.
+recomputed); at most ``2K`` steps back, more when exchanges take longer than K steps.
+No such T (a rank died with its holder, or before its first copy arrived):
+:class:`StateLost`, and ``--spare-policy`` applies.
 
 Cost, per rank: host memory for ``2 * KEPT`` copies of a rank's state (its shard of the
 parameters and optimizer state and its own objects), one memory copy of it on the
@@ -57,17 +58,19 @@ class CopiesLost(RuntimeError):
     """No snapshot step every rank can go back to."""
 
 
+def _shift(world: int, local_world: int) -> int:
+    return local_world if 0 < local_world < world and world % local_world == 0 else 1
+
+
 def holder_of(rank: int, world: int, local_world: int) -> int:
     """The rank that holds ``rank``'s copies: the same local rank on the next node when
     the job spans nodes (a node lost takes no copy with it), else the next rank."""
-    shift = local_world if 0 < local_world < world and world % local_world == 0 else 1
-    return (rank + shift) % world
+    return (rank + _shift(world, local_world)) % world
 
 
 def ward_of(rank: int, world: int, local_world: int) -> int:
     """The rank whose copies ``rank`` holds (:func:`holder_of` inverted)."""
-    shift = local_world if 0 < local_world < world and world % local_world == 0 else 1
-    return (rank - shift) % world
+    return (rank - _shift(world, local_world)) % world
 
 
 def copy_plan(rows: Sequence[CopyRow], holders: Sequence[int]) -> tuple[int, dict[int, int]]:
@@ -80,7 +83,7 @@ def copy_plan(rows: Sequence[CopyRow], holders: Sequence[int]) -> tuple[int, dic
         CopiesLost: no such step.
     """
     steps = sorted({s for row in rows for s in row.own}, reverse=True)
-    missing: list[int] = []
+    latest = ""
     for t in steps:
         plan: dict[int, int] = {}
         missing = []
@@ -94,16 +97,10 @@ def copy_plan(rows: Sequence[CopyRow], holders: Sequence[int]) -> tuple[int, dic
                 missing.append(r)
         if not missing:
             return t, plan
-    latest = f" (at step {steps[0]}: rank(s) {_missing_at(rows, holders, steps[0])})" \
-        if steps else ""
+        latest = latest or f" (at step {t}: rank(s) {missing})"
     raise CopiesLost("no buddy copy every rank can go back to" + latest +
                      ": a rank was lost together with the rank holding its copy, or "
                      "before its first copy arrived")
-
-
-def _missing_at(rows: Sequence[CopyRow], holders: Sequence[int], t: int) -> list[int]:
-    return [r for r, row in enumerate(rows)
-            if t not in row.own and (holders[r] == r or t not in rows[holders[r]].ward)]
 
 
 def _step_of(tree: dict[str, Any]) -> int:

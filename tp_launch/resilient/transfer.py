@@ -165,7 +165,7 @@ def _p2p(pg: Any, peer: int, receive: bool) -> Callable[[torch.Tensor], None]:
 
 def send_state(carrier: Carrier, pg: PeerGroup, dst: int) -> int:
     """Send the committed state to ``dst`` in ``pg``; returns the tensor bytes sent."""
-    return send_message(carrier.message().to_tree(), _p2p(pg, dst, receive=False))
+    return send_pieces(carrier.message(), pg, dst)
 
 
 def send_pieces(message: StateMessage, pg: PeerGroup, dst: int) -> int:
