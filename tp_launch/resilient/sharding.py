@@ -50,6 +50,43 @@ def is_dtensor(t: Any) -> bool:
     return isinstance(t, DTensor)
 
 
+def object_state(obj: Any) -> dict[str, Any]:
+    """What the runtime moves, compares, copies and restores of a registered object:
+    ``obj.state_dict()``, except for a module: its parameters and persistent buffers by
+    name, read directly (:func:`module_tensors`)."""
+    return module_tensors(obj) if isinstance(obj, torch.nn.Module) else obj.state_dict()
+
+
+def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s own parameters (each once: tied weights under their first name) and
+    persistent buffers, the tensors themselves. Not ``state_dict()``: it runs the module's
+    hooks, and a framework's hook may run a collective on a group that is gone
+    (TorchTitan's fused QKV linear redistributes its DTensor weight on save) or hand out
+    new tensors instead of the module's own. An FSDP2 module caught between its forward
+    and backward passes holds its unsharded parameters: they are put back to its shards
+    first (a local step: what FSDP2's own state-dict pre-hook does, ``reshard()`` keeps
+    a root module that does not reshard after forward unsharded)."""
+    for m in module.modules():
+        if _is_fsdp(m):
+            for param_group in m._get_fsdp_state()._fsdp_param_groups:  # type: ignore[operator]
+                param_group._to_sharded()
+    return {**dict(module.named_parameters()), **dict(persistent_buffers(module))}
+
+
+def persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``module``'s buffers that its state holds (not those registered
+    ``persistent=False``), by name, in ``named_buffers()`` order."""
+    return [(f"{prefix}.{name}" if prefix else name, b)
+            for prefix, m in module.named_modules() for name, b in m._buffers.items()
+            if b is not None and name not in m._non_persistent_buffers_set]
+
+
+def _is_fsdp(m: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(m, FSDPModule)
+
+
 def local_piece(t: torch.Tensor) -> torch.Tensor:
     """This rank's own tensor of ``t`` (a DTensor's local piece; ``t`` otherwise): what
     can be read without a collective."""
@@ -73,7 +110,7 @@ def dtensor_paths(objects: dict[str, Any]) -> list[str]:
     """The state-dict paths (``model.0.weight``, ``optimizer.state.0.exp_avg``) of the
     DTensors that the registered ``objects`` hold."""
     return [path for name, obj in objects.items()
-            for path, _ in _dtensors(obj.state_dict(), name)]
+            for path, _ in _dtensors(object_state(obj), name)]
 
 
 def map_tensors(tree: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
@@ -103,7 +140,7 @@ def local_tree(tree: Any) -> Any:
 
 
 def has_dtensors(module: torch.nn.Module) -> bool:
-    return any(is_dtensor(t) for t in module.state_dict().values())
+    return any(is_dtensor(t) for t in module_tensors(module).values())
 
 
 def load_module_pieces(module: torch.nn.Module, sd: dict[str, Any]) -> None:
@@ -111,7 +148,7 @@ def load_module_pieces(module: torch.nn.Module, sd: dict[str, Any]) -> None:
     tensors, in place: a sharded module's ``load_state_dict`` wants DTensors of its own
     mesh, and these pieces come from another mesh (the last generation's) or another
     rank (the same coordinates)."""
-    own = module.state_dict()
+    own = module_tensors(module)
     if set(own) != set(sd):
         raise ValueError(f"keys differ: {sorted(set(own) ^ set(sd))[:4]}")
     with torch.no_grad():
@@ -155,7 +192,7 @@ def copy_classes(objects: dict[str, Any], world: int) -> list[tuple[Any, ...]] |
     they come from the meshes' rank layouts, which are the job's."""
     layouts: dict[tuple[Any, ...], None] = {}
     for name, obj in objects.items():
-        for _, dt in _dtensors(obj.state_dict(), name):
+        for _, dt in _dtensors(object_state(obj), name):
             mesh = dt.device_mesh
             sharded = tuple(d for d, pl in enumerate(dt.placements) if not pl.is_replicate())
             layouts[(tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape),

@@ -131,6 +131,15 @@ class State:
             after the step failed on every rank): ``"auto"`` (once such a collective
             has been seen), ``"always"``, ``"never"``. Costs a copy of the parameters
             and optimizer state per step, in their own memory.
+        per_rank: the names of registered objects (given here or returned by
+            ``build``) that each rank keeps its own, whose state may differ from rank
+            to rank later even where it is the same at the start (a data loader over
+            this rank's part of the data, whose buffers fill as it reads). An object
+            whose state already differs between the ranks at the start is found
+            without it. Each rank's own are left out of the replicas' comparison and
+            travel only to their own rank's newcomer (buddy copies, a planned
+            migration's handoff); otherwise a newcomer goes on with a donor's and the
+            recovery says so (``inexact``).
         **objects: objects with ``state_dict()`` and ``load_state_dict()`` (a model
             without its DDP wrapper, optimizers, schedulers, data loaders...), by name;
             they are available as attributes (``state.model``).
@@ -138,7 +147,7 @@ class State:
 
     def __init__(self, extra: dict[str, Any] | None = None, *, snapshot: str = "auto",
                  build: Callable[[Generation], dict[str, Any]] | None = None,
-                 **objects: Any) -> None:
+                 per_rank: Collection[str] = (), **objects: Any) -> None:
         _check_objects(objects, "State")
         if snapshot not in ("auto", "always", "never"):
             raise ValueError(f"State(snapshot={snapshot!r}): auto, always or never")
@@ -146,6 +155,9 @@ class State:
             raise TypeError("State(build=...) takes a function of the Generation")
         self.objects: dict[str, Any] = dict(objects)
         self.build = build
+        if isinstance(per_rank, str) or not all(isinstance(n, str) for n in per_rank):
+            raise TypeError("State(per_rank=...) takes a collection of object names")
+        self.per_rank: frozenset[str] = frozenset(per_rank)
         self.built: set[str] = set()  # the names build() returned (its last call)
         self.extra: dict[str, Any] = dict(extra or {})
         self.snapshot = snapshot
@@ -424,7 +436,7 @@ class State:
         for name, obj in self.objects.items():
             if name in skip:
                 continue
-            sd = obj.state_dict()
+            sd = sharding.object_state(obj)
             if not buffers and isinstance(obj, torch.nn.Module):
                 own = {n for n, _ in obj.named_buffers()}
                 sd = {k: v for k, v in sd.items() if k not in own}

@@ -48,7 +48,7 @@ from tp_launch.resilient.copies import BuddyCopies, CopiesLost, copy_plan
 from tp_launch.resilient.ddp import Layouts
 from tp_launch.resilient.group import all_gather_flat
 from tp_launch.resilient.rollback import Rollback
-from tp_launch.resilient.state import Cursor, State, digest_tree
+from tp_launch.resilient.state import Cursor, ResilientUsageError, State, digest_tree
 from tp_launch.resilient.wire import (
     DTYPES,
     CopyRow,
@@ -118,7 +118,7 @@ class Carrier:
         """The committed state as one message (call after a successful rollback)."""
         s, rb = self.state, self.rollback
         return StateMessage(cursor=s.cursor.to_tree(), extra=s.extra,
-                            objects={n: sharding.local_tree(o.state_dict())
+                            objects={n: sharding.local_tree(sharding.object_state(o))
                                      for n, o in s.objects.items()},
                             rng=rb.rng if rb.rng is not None else rng.capture(),
                             grads=rb.gradients(), modes=rb.modes(),
@@ -201,7 +201,7 @@ def recv_state(carrier: Carrier, pg: PeerGroup, src: int) -> int:
     own: dict[tuple[Any, ...], torch.Tensor] = {}
     for name, module in state.modules.items():
         own.update({("objects", name, k): sharding.local_piece(v)
-                    for k, v in module.state_dict().items()})
+                    for k, v in sharding.module_tensors(module).items()})
     in_place: dict[str, bool] = {name: True for name in state.modules}
     placed = sorted(leaves(tree), key=lambda pl: pl[1].index)
     if [leaf.index for _, leaf in placed] != list(range(len(specs))):
@@ -233,10 +233,10 @@ def adopt(carrier: Carrier, message: StateMessage,
         for name, obj in state.objects.items():
             sd = message.objects[name]
             if isinstance(obj, torch.nn.Module) and (in_place or {}).get(name) \
-                    and set(sd) == set(obj.state_dict()) \
+                    and set(sd) == set(sharding.module_tensors(obj)) \
                     and all(isinstance(v, torch.Tensor) for v in sd.values()):
                 continue  # every tensor arrived in place
-            if isinstance(obj, torch.nn.Module) and sharding.has_dtensors(obj):
+            if isinstance(obj, torch.nn.Module):
                 sharding.load_module_pieces(obj, sd)
             elif isinstance(obj, torch.optim.Optimizer):
                 obj.load_state_dict(sharding.optimizer_pieces_rehomed(obj, sd))
@@ -250,7 +250,7 @@ def adopt(carrier: Carrier, message: StateMessage,
         carrier.per_rank_generators = {g for g in message.per_rank_generators
                                        if g in rng.GENERATORS}
         carrier.per_rank_objects = {n for n in message.per_rank_objects
-                                    if n in state.objects}
+                                    if n in state.objects} | state.per_rank
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise WireError(f"the received state does not fit this script's: {e}") from None
 
@@ -327,7 +327,11 @@ def agree_and_transfer(carrier: Carrier, fresh: bool,
         carrier.per_rank_generators = {
             g for i, g in enumerate(rng.GENERATORS)
             if len({row.generators[i] for row in rows}) > 1}
-        carrier.per_rank_objects = _differing_objects(state, world)
+        unknown = state.per_rank - set(state.objects)
+        if unknown:
+            raise ResilientUsageError(f"State(per_rank=...) names {sorted(unknown)}, which "
+                                      "are not registered objects")
+        carrier.per_rank_objects = _differing_objects(state, world) | state.per_rank
         state._holds = True
         return stats
     if any(r.sharded for r in rows) and state.build is None:
@@ -510,12 +514,8 @@ def buffers_digest(buffers: Sequence[torch.Tensor | None]) -> int:
 
 
 def _buffers_now(state: State) -> int:
-    return buffers_digest([b for m in state.modules.values() for b in _persistent_buffers(m)])
-
-
-def _persistent_buffers(module: torch.nn.Module) -> list[torch.Tensor]:
-    sd = module.state_dict(keep_vars=True)
-    return [b for name, b in module.named_buffers() if name in sd]
+    return buffers_digest([b for m in state.modules.values()
+                           for _, b in sharding.persistent_buffers(m)])
 
 
 def _own_state(carrier: Carrier, rows: list[Holding], donors: list[int],
@@ -566,7 +566,7 @@ def verify(state: State, own: Collection[str] = ()) -> None:
     classes = sharding.copy_classes(state.modules, world)
     if classes is not None and len(set(classes)) == world:
         classes = None  # plain FSDP: no two ranks hold the same pieces, none to compare
-    pieces = sharding.local_tree({n: o.state_dict() for n, o in state.objects.items()
+    pieces = sharding.local_tree({n: sharding.object_state(o) for n, o in state.objects.items()
                                   if n not in own}) if classes is not None else None
     words = [int.from_bytes(w[i:i + 8], "little", signed=True)
              for w in (bytes.fromhex(state.digest(buffers=False, sharded=False, skip=own)),
@@ -576,8 +576,12 @@ def verify(state: State, own: Collection[str] = ()) -> None:
     rows = [tuple(r) for r in gathered.view(world, 4).tolist()]
     differ = [r for r, row in enumerate(rows) if row[:2] != rows[0][:2]]
     if differ:
-        raise Diverged(f"the ranks' states differ: rank(s) {differ} do not match rank 0 "
-                       f"at step {state.step}")
+        # Every rank is here alike (the same rows): name the objects, one more gather.
+        others = sorted(_differing_objects(state, world) - set(own))
+        hint = (f" in {others} (an object each rank keeps its own, its data loader, is "
+                f"declared with State(per_rank={others}))") if others else ""
+        raise Diverged(f"the ranks' states differ{hint}: rank(s) {differ} do not match "
+                       f"rank 0 at step {state.step}")
     if classes is not None:
         first: dict[Any, int] = {}
         for r in range(world):
