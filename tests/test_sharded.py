@@ -209,6 +209,76 @@ def test_plain_fsdp_rank_comes_back_from_its_buddy_copy(workdir, test_env, buddy
     assert len(first) == 1 and first <= {5, 6}, results
 
 
+TITAN_LIKE = ["--build", "--like-torchtitan", "--late-per-rank-data", "--declare-per-rank"]
+
+
+@pytest.fixture(scope="module")
+def titan_like_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return torchrun_result(tmp_path_factory, WORLD, TITAN_LIKE)
+
+
+@pytest.mark.parametrize("where", [
+    "forward",  # the survivor's root parameters are unsharded
+    pytest.param("backward", marks=pytest.mark.slow),
+])
+def test_model_saved_through_a_collective_with_an_unsharded_root(workdir, test_env,
+                                                                 titan_like_reference, where):
+    """The model as TorchTitan shards and saves it: its root keeps its parameters
+    unsharded between forward and backward, and its state-dict hook runs a collective
+    (TorchTitan's fused QKV linear redistributes on save: on the dead generation's group
+    it hung the recovery). The runtime reads the modules' own tensors, resharded, never
+    through ``state_dict()``; the data stream is declared each rank's own
+    (``State(per_rank=...)``) though it starts alike everywhere; the result is exact."""
+    proc, out = launch(workdir, test_env, TP_RUN,
+                       ["--nproc-per-node", str(WORLD), "--spares", "1",
+                        "--shard-copy-every", "1"],
+                       [*TITAN_LIKE, "--kill-rank", "1", "--kill-step", "6",
+                        "--kill-where", where])
+    exact(proc, out, titan_like_reference, WORLD, "tp-run: failure: rank(s) [1] ")
+
+
+def test_undeclared_per_rank_object_stops_the_job(workdir, test_env):
+    """A data stream that starts alike on every rank and then differs, not declared with
+    ``State(per_rank=...)``: after the recovery the replicas' comparison finds it
+    differing and the job stops naming it and the declaration, never exits 0."""
+    proc, out = launch(workdir, test_env, TP_RUN,
+                       ["--nproc-per-node", str(WORLD), "--spares", "1",
+                        "--shard-copy-every", "1", "--max-restarts", "0"],
+                       ["--build", "--late-per-rank-data", "--kill-rank", "1",
+                        "--kill-step", "6"])
+    assert proc.returncode != 0
+    said = [x for x in proc.stderr.splitlines() if x.startswith("tp-run: error:")]
+    assert said and "State(per_rank=['data'])" in said[0], proc.stderr[-3000:]
+
+
+def test_per_rank_naming_no_registered_object_is_one_line(workdir, test_env):
+    """``State(per_rank={"data"})`` where no object "data" is registered: one line naming
+    it, a non-zero exit, no traceback wall."""
+    proc, _ = launch(workdir, test_env, TP_RUN, ["--nproc-per-node", str(WORLD), "--spares", "1"],
+                     ["--build", "--declare-per-rank"])
+    assert proc.returncode != 0
+    said = [x for x in proc.stderr.splitlines() if x.startswith("tp-run: error:")]
+    assert said and "State(per_rank=...) names ['data']" in said[0], proc.stderr[-3000:]
+
+
+HSDP_OWN_DATA = [*HSDP, "--late-per-rank-data", "--declare-per-rank"]
+
+
+@pytest.mark.slow
+def test_hsdp_newcomer_gets_its_own_data_position_from_its_copy(workdir, test_env,
+                                                                 tmp_path_factory):
+    """HSDP with each rank's own data stream (declared: it starts alike everywhere) and
+    ``--shard-copy-every 1``: the newcomer's shard comes from its replica peer, its data
+    stream's position from the copy its holder keeps (the replica peer's is another
+    stream). Exact, nothing reported inexact."""
+    reference = torchrun_result(tmp_path_factory, 4, HSDP_OWN_DATA)
+    proc, out = launch(workdir, test_env, TP_RUN,
+                       ["--nproc-per-node", "4", "--spares", "1", "--shard-copy-every", "1"],
+                       [*HSDP_OWN_DATA, "--kill-rank", "1", "--kill-step", "6"])
+    exact(proc, out, reference, 4, "tp-run: failure: rank(s) [1] ")
+    assert "inexact" not in proc.stderr and "goes on with a donor's" not in proc.stderr
+
+
 def test_every_k_steps_goes_back_to_the_last_copy(workdir, test_env, buddy_reference_4):
     """``--shard-copy-every 4`` on 4 ranks, rank 2 killed after step 6's optimizer step:
     every rank goes back to the copies of step 4 and computes steps 4 to 6 again; the

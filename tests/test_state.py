@@ -260,3 +260,50 @@ def test_cursor_and_layout_wire_forms_validate():
     assert layouts.known["fp"].buckets == [[1, 0]]
     with pytest.raises(ValueError):
         layouts.adopt({"fp2": {"buckets": [["x"]], "limits": [], "from_step": 0}})
+
+
+def test_module_state_is_its_own_tensors_never_through_state_dict():
+    """What the runtime moves and compares of a module: its parameters (a tied weight
+    once) and persistent buffers, the tensors themselves; no state-dict hook runs (a
+    framework's may run a collective: TorchTitan's fused QKV redistributes on save)."""
+    from tp_launch.resilient import sharding
+
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(5, 3)
+            self.head = torch.nn.Linear(3, 5, bias=False)
+            self.head.weight = self.embed.weight
+            self.norm = torch.nn.BatchNorm1d(3)
+            self.register_buffer("scratch", torch.zeros(2), persistent=False)
+
+    m = Tied()
+
+    def hook(*_):
+        raise AssertionError("a state-dict hook ran")
+
+    m.register_state_dict_pre_hook(hook)
+    m.head.register_state_dict_post_hook(hook)
+    got = sharding.module_tensors(m)
+    assert list(got) == ["embed.weight", "norm.weight", "norm.bias", "norm.running_mean",
+                         "norm.running_var", "norm.num_batches_tracked"]
+    assert got["embed.weight"] is m.embed.weight and got["norm.running_mean"] is m.norm.running_mean
+    assert [n for n, _ in sharding.persistent_buffers(m)] == [
+        "norm.running_mean", "norm.running_var", "norm.num_batches_tracked"]
+    assert sharding.object_state(m) == got
+    sgd = torch.optim.SGD(m.parameters(), lr=0.1)
+    assert sharding.object_state(sgd) == sgd.state_dict()
+    # Loaded in place into the module's own tensors.
+    new = {k: torch.full_like(v, 7) for k, v in got.items()}
+    sharding.load_module_pieces(m, new)
+    assert bool((m.head.weight == 7).all()) and int(m.norm.num_batches_tracked) == 7
+    with pytest.raises(ValueError, match="keys differ"):
+        sharding.load_module_pieces(m, {"embed.weight": new["embed.weight"]})
+
+
+def test_per_rank_names_are_a_collection_of_names():
+    data = torch.optim.lr_scheduler.LambdaLR(
+        torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), lambda s: 1.0)
+    assert State(per_rank={"data"}, data=data).per_rank == {"data"}
+    with pytest.raises(TypeError, match="per_rank"):
+        State(per_rank="data", data=data)

@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
 import torchtitan.tools.utils as tt_utils
 
 tt_utils.device_type, tt_utils.device_module = "cpu", torch.cpu

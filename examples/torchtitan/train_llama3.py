@@ -32,7 +32,6 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 import cpu_patches  # noqa: E402,F401  (before any other torchtitan import)
-
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
@@ -41,6 +40,7 @@ from torchtitan.config import ParallelismConfig, TrainingConfig  # noqa: E402
 from torchtitan.distributed import ParallelDims  # noqa: E402
 from torchtitan.models.llama3 import model_registry  # noqa: E402
 from torchtitan.models.llama3.config_registry import llama3_debugmodel  # noqa: E402
+from torchtitan.tools.logging import init_logger  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
 from tp_launch import resilient  # noqa: E402
@@ -94,18 +94,44 @@ def build(gen: resilient.Generation, args: argparse.Namespace) -> dict[str, Any]
             "loader": LoaderPosition(trainer.dataloader)}
 
 
+def die(rank: int, step: int, where: str) -> None:
+    print(f"rank {rank}: SIGKILL myself at step {step} ({where})", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def arm_kill(state: resilient.State, rank: int, step: int, where: str) -> list[Any]:
+    """Make this rank SIGKILL itself in this step: at its start, after the forward pass
+    (the root module keeps its parameters unsharded until the backward pass), inside
+    the backward pass (once the first block's gradient is due: the later blocks' are
+    being reduce-scattered), or after the optimizer step. Returns the hooks' handles."""
+    while "TP_RUN_CHANNEL" in os.environ and resilient.parked_spares() < 1:
+        time.sleep(0.05)  # demo: make sure a spare is there to take over
+    model = state.model
+    first_block = next(iter(model.layers.values()))
+    kill = lambda *_: die(rank, step, where)  # noqa: E731
+    if where == "start":
+        kill()
+    if where == "forward":
+        return [model.register_forward_hook(kill)]
+    if where == "backward":
+        return [first_block.register_forward_hook(
+            lambda module, inputs, output: output.register_hook(kill))]
+    return [state.optimizer.register_step_post_hook(kill)]
+
+
 def train(state: resilient.State, args: argparse.Namespace) -> None:
     trainer = state.trainer
     batches = trainer.batch_generator(trainer.dataloader)
     rank = dist.get_rank()
     for step in state.steps(args.steps):
-        if rank == args.kill_rank and step == args.kill_step and os.environ.get("TP_RUN_SPARE") != "1":
-            while "TP_RUN_CHANNEL" in os.environ and resilient.parked_spares() < 1:
-                time.sleep(0.05)  # demo: make sure a spare is there to take over
-            print(f"rank {rank}: SIGKILL myself at step {step}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
+        hooks = []
+        if rank == args.kill_rank and step == args.kill_step \
+                and os.environ.get("TP_RUN_SPARE") != "1":
+            hooks = arm_kill(state, rank, step, args.kill_where)
         trainer.step = step + 1  # TorchTitan counts from 1
         trainer.train_step(batches)
+        for h in hooks:
+            h.remove()
 
 
 def checksum(model: torch.nn.Module) -> str:
@@ -124,10 +150,14 @@ def main() -> None:
     parser.add_argument("--dump", type=Path, default=Path("/tmp") / f"titan-{os.getuid()}")
     parser.add_argument("--kill-rank", type=int, default=-1)
     parser.add_argument("--kill-step", type=int, default=-1)
+    parser.add_argument("--kill-where", default="start",
+                        choices=["start", "forward", "backward", "optimizer"])
     args = parser.parse_args()
     if not (args.assets / "tokenizer" / "tokenizer.json").exists():
         sys.exit(f"error: no assets in {args.assets}: run examples/torchtitan/make_assets.py")
 
+    if os.environ.get("RANK") == "0":
+        init_logger()  # TorchTitan's step lines (loss, throughput), from rank 0
     state = resilient.State(build=lambda gen: build(gen, args), per_rank={"loader"})
     resilient.run(lambda s: train(s, args), state)
     digest = checksum(state.model)

@@ -27,6 +27,14 @@ forward pass of step S: a hung rank, for the agent's hang detection.
 ``--per-rank-data``: each rank draws its batches from a data stream of its own (a
 generator seeded by rank, registered by ``build`` as ``data``): a newcomer that is not
 given the dead rank's position in it trains on other data and ends elsewhere.
+``--late-per-rank-data``: the same stream, but every rank's starts alike (the seed by rank
+is drawn at its first batch), so only ``State(per_rank=...)`` says it is each rank's
+own; ``--declare-per-rank`` says so.
+
+``--like-torchtitan``: the model as TorchTitan shards and saves it: the root module does
+not reshard after forward (a rank killed between forward and backward leaves the
+survivors' root parameters unsharded), and a state-dict hook runs a collective (as
+TorchTitan's fused QKV linear redistributes its weight on save).
 """
 
 from __future__ import annotations
@@ -66,6 +74,9 @@ p.add_argument("--corrupt-rank", type=int, default=-1,
                help="after step 3's optimizer step this rank adds 1e-3 to its piece of the "
                     "first weight (its replica peer's copy then differs)")
 p.add_argument("--per-rank-data", action="store_true")
+p.add_argument("--late-per-rank-data", action="store_true")
+p.add_argument("--declare-per-rank", action="store_true")
+p.add_argument("--like-torchtitan", action="store_true")
 p.add_argument("--stop-rank", type=int, default=-1)
 p.add_argument("--stop-step", type=int, default=-1)
 p.add_argument("--hold-at", type=int, default=-1,
@@ -90,23 +101,33 @@ def shard(m: nn.Module, mesh=None) -> None:
     for layer in m:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
-    fully_shard(m, mesh=mesh)
+    fully_shard(m, mesh=mesh, reshard_after_forward=not args.like_torchtitan)
+    if args.like_torchtitan:
+        m[0].register_state_dict_post_hook(
+            lambda module, sd, prefix, meta: dist.all_reduce(torch.zeros(1)))
 
 
 class RankData:
     """A rank's own data stream (a loader's position keyed by data-parallel rank)."""
 
-    def __init__(self, rank: int) -> None:
-        self.g = torch.Generator().manual_seed(1000 + rank)
+    def __init__(self, rank: int, late: bool = False) -> None:
+        self.rank = rank
+        self.g = None if late else torch.Generator().manual_seed(1000 + rank)
 
     def batch(self) -> torch.Tensor:
+        if self.g is None:
+            self.g = torch.Generator().manual_seed(1000 + self.rank)
         return torch.randn(8, 16, generator=self.g)
 
     def state_dict(self) -> dict:
-        return {"rng": self.g.get_state()}
+        return {"rng": None if self.g is None else self.g.get_state()}
 
     def load_state_dict(self, sd: dict) -> None:
-        self.g.set_state(sd["rng"])
+        if sd["rng"] is None:
+            self.g = None
+        else:
+            self.g = self.g or torch.Generator()
+            self.g.set_state(sd["rng"])
 
 
 def build(gen: resilient.Generation) -> dict:
@@ -116,8 +137,8 @@ def build(gen: resilient.Generation) -> dict:
     m = new_model()
     shard(m, mesh)
     built = {"model": m, "optimizer": torch.optim.AdamW(m.parameters(), lr=0.01)}
-    if args.per_rank_data:
-        built["data"] = RankData(gen.rank)
+    if args.per_rank_data or args.late_per_rank_data:
+        built["data"] = RankData(gen.rank, late=args.late_per_rank_data)
     return built
 
 
@@ -169,7 +190,7 @@ def train(state: resilient.State) -> None:
                        optim_state_dict=tree["optim"], options=LOAD)
         state.step = first = tree["step"]
     for step in state.steps(args.steps):
-        if args.per_rank_data:
+        if args.per_rank_data or args.late_per_rank_data:
             x = state.data.batch()
         else:
             x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step * 100 + rank))
@@ -212,6 +233,7 @@ def train(state: resilient.State) -> None:
 
 
 if args.build:
-    resilient.run(train, resilient.State(build=build))
+    resilient.run(train, resilient.State(build=build,
+                                         per_rank={"data"} if args.declare_per_rank else ()))
 else:
     resilient.run(train, resilient.State(model=new_model()))

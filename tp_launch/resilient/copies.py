@@ -233,6 +233,13 @@ class BuddyCopies:
             tree = self.ward[step]
         return send_message(tree, send)
 
+    def serve_objects(self, step: int, names: Sequence[str],
+                      send: Callable[[torch.Tensor], None]) -> int:
+        """Send the ward's own objects ``names`` from its copy of ``step``."""
+        with self._lock:
+            tree = self.ward[step]
+        return send_message({n: tree["objects"][n] for n in names}, send)
+
     def _send(self, pg: Any, tree: Any) -> None:
         try:
             send_message(tree, lambda t: pg.send([t], self.holder, 0).wait())

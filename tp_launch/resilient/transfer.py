@@ -362,16 +362,21 @@ def agree_and_transfer(carrier: Carrier, fresh: bool,
                        for b in rollback.committed_buffers()]
         stats.donor = plan[rank]
         stats.bytes = recv_state(carrier, pg, plan[rank])
+    else:
+        for receiver, donor in plan.items():
+            if donor == rank:
+                stats.bytes += send_state(carrier, pg, receiver)
+    # Every rank alike: the plan is the same everywhere, and so are the objects each
+    # rank keeps its own (a receiver has the donor's list now).
+    from_copy = copies is not None and bool(plan) and bool(carrier.per_rank_objects) \
+        and _own_objects_from_copies(carrier, copies, plan, top, pg)
+    if rank in plan:
         mine_at_top = None
         if rows[rank].own_step == top:
             mine_at_top = per_rank.Entry(top, False, own, own_buffers)
         elif predecessor is not None:
             mine_at_top = predecessor(top)
-        stats.inexact = _own_state(carrier, rows, donors, own, mine_at_top)
-    else:
-        for receiver, donor in plan.items():
-            if donor == rank:
-                stats.bytes += send_state(carrier, pg, receiver)
+        stats.inexact = _own_state(carrier, rows, donors, own, mine_at_top, from_copy)
     stats.transfer_s = time.monotonic() - t1
     state._holds = True
     if plan:
@@ -418,12 +423,7 @@ def _back_to_copies(carrier: Carrier, copies: BuddyCopies, stats: TransferStats,
     (:mod:`tp_launch.resilient.copies`)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     t0 = time.monotonic()
-    if not copies.settle(timeout=_SETTLE_S):
-        logger.warning("rank %s: the last exchange of buddy copies did not end within "
-                       "%.0f s; what it was receiving is not counted", rank, _SETTLE_S)
-    gathered = torch.zeros(world * CopyRow.width(), dtype=torch.int64)
-    all_gather_flat(gathered, copies.row().to_tensor())
-    rows = CopyRow.rows(gathered, world)
+    rows = _copy_rows(copies, rank, world)
     try:
         step, plan = copy_plan(rows, copies.holders(world))
     except CopiesLost as e:
@@ -449,6 +449,43 @@ def _back_to_copies(carrier: Carrier, copies: BuddyCopies, stats: TransferStats,
     verify(carrier.state, carrier.per_rank_objects)
     stats.verify_s = time.monotonic() - t2
     return stats
+
+
+def _own_objects_from_copies(carrier: Carrier, copies: BuddyCopies, plan: dict[int, int],
+                             step: int, pg: PeerGroup) -> bool:
+    """The receivers were served by donors of their pieces (HSDP replica peers), whose
+    own objects (a data loader's position) are not the receivers': each receiver whose
+    holder survived with a copy of ``step`` gets its own objects from that copy.
+    Collective (every rank gathers the copy rows). Whether this rank got its own."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = _copy_rows(copies, rank, world)
+    holders = copies.holders(world)
+    served = {r: holders[r] for r in sorted(plan)
+              if holders[r] not in plan and step in rows[holders[r]].ward}
+    names = sorted(carrier.per_rank_objects)
+    for receiver, holder in served.items():
+        if holder == rank:
+            copies.serve_objects(step, names, _p2p(pg, receiver, receive=False))
+    if rank not in served:
+        return False
+    _, tree = receive_message(_p2p(pg, served[rank], receive=True))
+    try:
+        for name in names:
+            carrier.state.objects[name].load_state_dict(tree[name])
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise WireError(f"the buddy copy's objects do not fit this script's: {e}") from None
+    return True
+
+
+def _copy_rows(copies: BuddyCopies, rank: int, world: int) -> list[CopyRow]:
+    """Every rank's :class:`CopyRow`, once the exchange in flight has ended (or not
+    within ``_SETTLE_S``: what it was receiving is then not counted). Collective."""
+    if not copies.settle(timeout=_SETTLE_S):
+        logger.warning("rank %s: the last exchange of buddy copies did not end within "
+                       "%.0f s; what it was receiving is not counted", rank, _SETTLE_S)
+    gathered = torch.zeros(world * CopyRow.width(), dtype=torch.int64)
+    all_gather_flat(gathered, copies.row().to_tensor())
+    return CopyRow.rows(gathered, world)
 
 
 class _Background:
@@ -519,10 +556,12 @@ def _buffers_now(state: State) -> int:
 
 
 def _own_state(carrier: Carrier, rows: list[Holding], donors: list[int],
-               own: rng.RngState, mine: per_rank.Entry | None) -> list[str]:
+               own: rng.RngState, mine: per_rank.Entry | None,
+               own_objects: bool = False) -> list[str]:
     """A receiver took the donor's state; put back what is this rank's own (generators
     seeded per rank, module buffers), from its own commit at the agreed step or its
-    predecessor's record of it. Returns what could not be had and mattered."""
+    predecessor's record of it (``own_objects``: its own objects came from a buddy
+    copy already). Returns what could not be had and mattered."""
     used = 0
     for d in donors:  # a receiver's own row says nothing: it may hold no commit at all
         used |= rows[d].used
@@ -545,9 +584,10 @@ def _own_state(carrier: Carrier, rows: list[Holding], donors: list[int],
         carrier.rollback.set_buffers(mine.buffers)
     if not restored and used & (1 << _BUFFERS_BIT):
         lost.append("module buffers")
-    # Each rank's own objects (a data stream of its own) came from the donor: only a
-    # buddy copy (--shard-copy-every) keeps this rank's.
-    lost += sorted(carrier.per_rank_objects)
+    # Each rank's own objects (a data stream of its own) came from the donor unless a
+    # buddy copy (--shard-copy-every) had this rank's.
+    if not own_objects:
+        lost += sorted(carrier.per_rank_objects)
     if lost:
         logger.warning("rank %s: its own %s at step %s died with its previous process; it "
                        "goes on with a donor's (results may differ from a run without the "
