@@ -82,6 +82,8 @@ def test_torchtitan_rank_comes_back_at_the_same_step(tmp_path, test_env, assets,
                                          "--kill-step", "4", "--kill-where", where)],
                         test_env, tmp_path)
     assert checksum(proc) == reference
+    assert f"rank 1: SIGKILL myself at step 4 ({where})" in proc.stdout
+    assert "failed with exit code -9" in proc.stderr, proc.stderr[-3000:]
     said = [x for x in proc.stderr.splitlines() if x.startswith("tp-run:")]
     assert len(said) == 1 and said[0].startswith("tp-run: failure: rank(s) [1] -> spare"), said
     assert "inexact" not in proc.stderr
@@ -100,4 +102,5 @@ def test_torchtitan_hsdp_newcomer_gets_its_loader_position_from_its_copy(
                                          "1", "--kill-step", "4", "--kill-where", "backward")],
                         test_env, tmp_path)
     assert checksum(proc, 4) == reference
+    assert "rank 1: SIGKILL myself at step 4 (backward)" in proc.stdout
     assert "inexact" not in proc.stderr and "goes on with a donor's" not in proc.stderr

@@ -114,8 +114,9 @@ def arm_kill(state: resilient.State, rank: int, step: int, where: str) -> list[A
     if where == "forward":
         return [model.register_forward_hook(kill)]
     if where == "backward":
-        return [first_block.register_forward_hook(
-            lambda module, inputs, output: output.register_hook(kill))]
+        def in_backward(module: Any, inputs: Any, output: torch.Tensor) -> None:
+            output.register_hook(kill)  # (a forward hook's return value replaces the output)
+        return [first_block.register_forward_hook(in_backward)]
     return [state.optimizer.register_step_post_hook(kill)]
 
 
