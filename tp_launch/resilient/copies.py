@@ -227,18 +227,15 @@ class BuddyCopies:
         tensors, and the snapshot must stay as it was)."""
         return map_tensors(self.own[step], torch.clone)
 
-    def serve(self, step: int, send: Callable[[torch.Tensor], None]) -> int:
-        """Send the ward's copy of ``step``; returns the tensor bytes sent."""
+    def serve(self, step: int, send: Callable[[torch.Tensor], None],
+              objects: Sequence[str] | None = None) -> int:
+        """Send the ward's copy of ``step`` (``objects``: only those registered objects
+        of it, by name); returns the tensor bytes sent."""
         with self._lock:
             tree = self.ward[step]
+        if objects is not None:
+            tree = {n: tree["objects"][n] for n in objects}
         return send_message(tree, send)
-
-    def serve_objects(self, step: int, names: Sequence[str],
-                      send: Callable[[torch.Tensor], None]) -> int:
-        """Send the ward's own objects ``names`` from its copy of ``step``."""
-        with self._lock:
-            tree = self.ward[step]
-        return send_message({n: tree["objects"][n] for n in names}, send)
 
     def _send(self, pg: Any, tree: Any) -> None:
         try:

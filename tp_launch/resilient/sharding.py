@@ -66,9 +66,11 @@ def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     and backward passes holds its unsharded parameters: they are put back to its shards
     first (a local step: what FSDP2's own state-dict pre-hook does, ``reshard()`` keeps
     a root module that does not reshard after forward unsharded)."""
+    from torch.distributed.fsdp import FSDPModule
+
     for m in module.modules():
-        if _is_fsdp(m):
-            for param_group in m._get_fsdp_state()._fsdp_param_groups:  # type: ignore[operator]
+        if isinstance(m, FSDPModule):
+            for param_group in m._get_fsdp_state()._fsdp_param_groups:
                 param_group._to_sharded()
     return {**dict(module.named_parameters()), **dict(persistent_buffers(module))}
 
@@ -79,12 +81,6 @@ def persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]
     return [(f"{prefix}.{name}" if prefix else name, b)
             for prefix, m in module.named_modules() for name, b in m._buffers.items()
             if b is not None and name not in m._non_persistent_buffers_set]
-
-
-def _is_fsdp(m: torch.nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(m, FSDPModule)
 
 
 def local_piece(t: torch.Tensor) -> torch.Tensor:
@@ -137,10 +133,6 @@ def local_tree(tree: Any) -> Any:
     rank sends of its shards, and what another rank with the same shard coordinates
     holds identically."""
     return map_tensors(tree, local_piece)
-
-
-def has_dtensors(module: torch.nn.Module) -> bool:
-    return any(is_dtensor(t) for t in module_tensors(module).values())
 
 
 def load_module_pieces(module: torch.nn.Module, sd: dict[str, Any]) -> None:

@@ -465,7 +465,7 @@ def _own_objects_from_copies(carrier: Carrier, copies: BuddyCopies, plan: dict[i
     names = sorted(carrier.per_rank_objects)
     for receiver, holder in served.items():
         if holder == rank:
-            copies.serve_objects(step, names, _p2p(pg, receiver, receive=False))
+            copies.serve(step, _p2p(pg, receiver, receive=False), objects=names)
     if rank not in served:
         return False
     _, tree = receive_message(_p2p(pg, served[rank], receive=True))
