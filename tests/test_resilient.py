@@ -458,11 +458,12 @@ RDZV_CONF = ("join_timeout=60,last_call_timeout=1,keep_alive_interval=0.5,lease_
 
 
 @contextlib.contextmanager
-def node_job(workdir: Path, env: dict[str, str], etcd_server, backend: str = "etcd"
+def node_job(workdir: Path, env: dict[str, str], etcd_server, backend: str = "etcd",
+             script: str = SCRIPT, steps: int = STEPS
              ) -> Iterator[tuple[Callable[..., subprocess.Popen], list[subprocess.Popen], Path]]:
     """``start(node, *tp_run_args, script_args=...)`` starts one agent of a job over etcd
-    (or c10d on a free port: ``backend``), ``--local-addr 127.0.0.<node + 2>``, logs in
-    ``logs<node>``; all are killed on exit."""
+    (or c10d on a free port: ``backend``) running ``script --steps steps``,
+    ``--local-addr 127.0.0.<node + 2>``, logs in ``logs<node>``; all are killed on exit."""
     from tests.etcd_server import free_port
 
     import uuid
@@ -481,7 +482,7 @@ def node_job(workdir: Path, env: dict[str, str], etcd_server, backend: str = "et
             "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
             "--local-addr", f"127.0.0.{node + 2}", "--rdzv-conf", conf,
             "--monitor-interval", "0.1", "--log-dir", str(workdir / f"logs{node}"), *args,
-            SCRIPT, "--steps", str(STEPS), *script_args], env, workdir))
+            script, "--steps", str(steps), *script_args], env, workdir))
         return agents[-1]
 
     try:

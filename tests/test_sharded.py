@@ -429,3 +429,39 @@ def test_plain_state_has_no_dtensors():
     tree = {"a": [torch.ones(1), (1, "x")], "b": None}
     assert sharding.without_dtensors(tree) == tree
     assert sharding.local_piece(model.weight) is model.weight
+
+
+@pytest.mark.slow
+def test_a_lost_node_comes_back_from_copies_on_the_other_node(workdir, test_env, etcd_server,
+                                                              buddy_reference_4):
+    """etcd, two agents x 2 ranks of plain FSDP with each rank's own data stream,
+    ``--shard-copy-every 1``: each rank's copy is held on the other node (rank r's by
+    r + 2). SIGKILL one agent (a lost node): both its ranks' shards, optimizer state and
+    data positions exist only on the surviving node, whose parked spares take them,
+    served by their holders; the survivors keep their processes; exact. (With copies on
+    the next rank, as on one node, rank 2's holder would be rank 3, lost with it.)"""
+    from tests.test_resilient import _parked, _ranks, _status, _wait, exits, node_job, recoveries
+
+    with node_job(workdir, test_env, etcd_server, script=SCRIPT, steps=12) as (start, agents,
+                                                                               out):
+        for node in range(2):
+            start(node, "--nnodes", "2", "--spares", "2", "--shard-copy-every", "1",
+                  script_args=(*BUDDY, "--hold-at", "8"))
+        _wait(lambda: all((out / f"held_{r}").exists() for r in range(4)), "4 ranks train")
+        victim, survivor = sorted(agents, key=lambda a: 2 in _ranks(a), reverse=True)
+        _wait(lambda: _parked(survivor) >= 2, "the surviving node parks its spares")
+        assert _ranks(victim) == {2, 3} and _ranks(survivor) == {0, 1}
+        first = _status(survivor).ranks
+        victim.kill()
+        victim.communicate()
+        (out / "release").touch()
+        ((rc, err),) = exits([survivor])
+    assert rc == 0, err[-4000:]
+    assert "no buddy copy" not in err and "inexact" not in err, err[-4000:]
+    results = finals(out, 4)
+    assert {f["checksum"] for f in results} == {buddy_reference_4}, results
+    assert all(f["steps"] == 12 for f in results)
+    assert all(results[r]["pid"] == first[r] for r in (0, 1)), err[-4000:]
+    (event,) = recoveries(workdir / "logs0") + recoveries(workdir / "logs1")
+    assert event["reason"] == "node loss" and sorted(event["failed_ranks"]) == [2, 3]
+    assert {p["rank"] for p in event["promoted"]} == {2, 3}

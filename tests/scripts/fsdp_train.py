@@ -19,7 +19,7 @@ first layer's activation: the later layers' gradients are being reduce-scattered
 right after the
 optimizer step. ``--kill-ranks`` for several ranks at once. Every rank writes
 ``final_<rank>.json``: the steps trained, the process's first step (where it started or
-resumed) and a checksum of the full parameters and optimizer state.
+resumed), its pid and a checksum of the full parameters and optimizer state.
 
 ``--stop-rank R --stop-step S``: rank R stops itself (SIGSTOP, once per job) after the
 forward pass of step S: a hung rank, for the agent's hang detection.
@@ -229,7 +229,8 @@ def train(state: resilient.State) -> None:
             while not (OUT / "release").exists():
                 time.sleep(0.05)
     (OUT / f"final_{rank}.json").write_text(json.dumps(
-        {"steps": state.step, "first": first, "checksum": checksum(m, opt)}))
+        {"steps": state.step, "first": first, "checksum": checksum(m, opt),
+         "pid": os.getpid()}))
 
 
 if args.build:
