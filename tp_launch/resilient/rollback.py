@@ -41,7 +41,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from tp_launch.resilient import group, rng
+from tp_launch.resilient import group, rng, sharding
 from tp_launch.resilient.state import Cursor, ResilientUsageError, State
 
 logger = logging.getLogger(__name__)
@@ -54,11 +54,8 @@ class _ModuleRecord:
         self.module = module
         self.submodules = list(module.modules())
         self.params = [p for p in module.parameters()]
-        self.buffer_slots: list[tuple[torch.nn.Module, str]] = []
-        for sub in self.submodules:
-            persistent = set(sub._buffers) - set(getattr(sub, "_non_persistent_buffers_set", ()))
-            self.buffer_slots += [(sub, n) for n in sub._buffers if n in persistent
-                                  and sub._buffers[n] is not None]
+        self.buffer_slots = [(sub, attr) for _, sub, attr
+                             in sharding.persistent_buffer_slots(module)]
         self.saved_buffers: list[torch.Tensor | None] = [None] * len(self.buffer_slots)
         self.modes: tuple[bool, ...] = ()
         self.no_grad: tuple[bool, ...] = ()

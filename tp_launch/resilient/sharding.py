@@ -75,12 +75,21 @@ def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {**dict(module.named_parameters()), **dict(persistent_buffers(module))}
 
 
-def persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """``module``'s buffers that its state holds (not those registered
-    ``persistent=False``), by name, in ``named_buffers()`` order."""
-    return [(f"{prefix}.{name}" if prefix else name, b)
+def persistent_buffer_slots(module: torch.nn.Module
+                            ) -> list[tuple[str, torch.nn.Module, str]]:
+    """Where ``module``'s buffers that its state holds (not those registered
+    ``persistent=False``) live: (dotted name, owning submodule, attribute), in
+    ``named_buffers()`` order. A slot, not the tensor: a forward pass may assign a new
+    tensor to it (``self.count = self.count + 1``)."""
+    return [(f"{prefix}.{name}" if prefix else name, m, name)
             for prefix, m in module.named_modules() for name, b in m._buffers.items()
             if b is not None and name not in m._non_persistent_buffers_set]
+
+
+def persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``module``'s buffers that its state holds, by name (:func:`persistent_buffer_slots`)."""
+    return [(name, m._buffers[attr])  # type: ignore[misc]  # the slots hold tensors
+            for name, m, attr in persistent_buffer_slots(module)]
 
 
 def local_piece(t: torch.Tensor) -> torch.Tensor:
