@@ -314,6 +314,55 @@ def test_script_not_using_the_api_runs_as_under_torchrun(workdir, test_env):
     assert bad.stderr.count("--spares 1 unused") == 1, bad.stderr
 
 
+EXTRA_STATE_SCRIPT = """
+import torch
+from torch import nn
+from tp_launch import resilient
+
+
+class Counted(nn.Linear):  # state outside parameters and buffers
+    calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return super().forward(x)
+
+    def get_extra_state(self):
+        return {"calls": self.calls}
+
+    def set_extra_state(self, state):
+        self.calls = state["calls"]
+
+
+def train(state):
+    for _ in state.steps(3):
+        state.model(torch.ones(1, 2)).sum().backward()
+        state.optimizer.step()
+        state.optimizer.zero_grad()
+
+
+model = nn.Sequential(nn.Linear(2, 2), Counted(2, 2))
+resilient.run(train, resilient.State(model=model,
+                                     optimizer=torch.optim.SGD(model.parameters(), lr=0.1)))
+"""
+
+
+def test_a_module_with_extra_state_is_one_line_under_spares(workdir, test_env):
+    """A registered module keeps state in get_extra_state(), which the runtime does not
+    carry: under torchrun the script runs; under --spares it stops before the first step
+    with one line naming the module, instead of a newcomer going on without it."""
+    (workdir / "extra.py").write_text(EXTRA_STATE_SCRIPT)
+    env = {**test_env, "OMP_NUM_THREADS": "1"}
+    args = ["--nproc-per-node", "2", "extra.py"]
+    assert run_launcher(TORCHRUN, args, env, workdir).returncode == 0
+    proc = run_launcher(TP_RUN, ["--spares", "1", *args], env, workdir)
+    assert proc.returncode != 0
+    said = [x for x in proc.stderr.splitlines() if x.startswith("tp-run: error:")]
+    assert len(said) == 1 and "model.1 keeps state in get_extra_state()" in said[0], \
+        proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["fail", "restart"])
 def test_spare_that_cannot_start_backs_off(workdir, test_env, policy):

@@ -307,3 +307,20 @@ def test_per_rank_names_are_a_collection_of_names():
     assert State(per_rank={"data"}, data=data).per_rank == {"data"}
     with pytest.raises(TypeError, match="per_rank"):
         State(per_rank="data", data=data)
+
+
+def test_modules_keeping_extra_state_are_named():
+    from tp_launch.resilient import sharding
+
+    class Scaled(torch.nn.Linear):
+        def get_extra_state(self) -> dict:
+            return {"calls": 0}
+
+        def set_extra_state(self, state: dict) -> None:
+            pass
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(Scaled(2, 2)))
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert sharding.extra_state_holders({"model": model, "optimizer": sgd}) == ["model.1.0"]
+    assert sharding.extra_state_holders({"head": Scaled(2, 2)}) == ["head"]
+    assert sharding.extra_state_holders({"model": torch.nn.Linear(2, 2)}) == []

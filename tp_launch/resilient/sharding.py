@@ -75,6 +75,17 @@ def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {**dict(module.named_parameters()), **dict(persistent_buffers(module))}
 
 
+def extra_state_holders(objects: dict[str, Any]) -> list[str]:
+    """The modules among ``objects`` (and their submodules), by dotted name, that keep
+    state of their own in ``get_extra_state()``: a value outside their parameters and
+    buffers that :func:`module_tensors` does not read (TransformerEngine's FP8 scaling
+    history is one, serialised by pickle)."""
+    base = torch.nn.Module.get_extra_state
+    return [".".join(filter(None, (name, prefix)))
+            for name, obj in objects.items() if isinstance(obj, torch.nn.Module)
+            for prefix, m in obj.named_modules() if type(m).get_extra_state is not base]
+
+
 def persistent_buffer_slots(module: torch.nn.Module
                             ) -> list[tuple[str, torch.nn.Module, str]]:
     """Where ``module``'s buffers that its state holds (not those registered

@@ -331,6 +331,14 @@ def agree_and_transfer(carrier: Carrier, fresh: bool,
         if unknown:
             raise ResilientUsageError(f"State(per_rank=...) names {sorted(unknown)}, which "
                                       "are not registered objects")
+        extra = sharding.extra_state_holders(state.objects)
+        if extra:
+            # Not carried, and not received either: what set_extra_state() takes is the
+            # module's to decode (pickled, for some), and nothing off the network is.
+            raise ResilientUsageError(
+                f"{extra[0]} keeps state in get_extra_state(), which resilient mode does "
+                "not carry: a newcomer would go on without it; keep it in buffers, or run "
+                "without --spares")
         carrier.per_rank_objects = _differing_objects(state, world) | state.per_rank
         state._holds = True
         return stats
