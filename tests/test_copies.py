@@ -7,7 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tp_launch.resilient.copies import CopiesLost, _keep, copy_plan, holder_of, ward_of
+from tp_launch.resilient.copies import (
+    CopiesLost,
+    _keep,
+    copy_plan,
+    entry_exchange,
+    holder_of,
+    ward_of,
+)
 from tp_launch.resilient.wire import CopyRow, WireError
 
 
@@ -82,3 +89,37 @@ def test_kept_copies_are_the_latest_up_to_the_current_step():
     # The job went back to 8: the copy of 12 belongs to a timeline that is gone.
     assert _keep(copies, 8, 2) == {8: "b", 4: "a"}
     assert _keep(copies, 7, 1) == {4: "a"}
+
+
+def exchanges(spec: list[CopyRow], holders: list[int], step: int) -> list[tuple[bool, bool]]:
+    return [entry_exchange(spec, holders, r, step) for r in range(len(holders))]
+
+
+def test_a_fresh_generation_exchanges_everything():
+    assert exchanges(rows(*[((), ())] * 4), HOLDERS_4, 0) == [(True, True)] * 4
+
+
+def test_after_a_recovery_only_what_a_holder_lacks_moves():
+    # Rank 1 came back at step 8 from rank 2's copy: rank 2 holds it still; rank 1 holds
+    # no copy of its ward, rank 0, which sends it; nobody else moves anything.
+    after = rows(((8, 4), (8, 4)), ((), ()), ((8, 4), (8, 4)), ((8, 4), (8, 4)))
+    assert exchanges(after, HOLDERS_4, 8) == [(True, False), (False, True), (False, False),
+                                              (False, False)]
+    # Two newcomers, 1 and 2 (1 holds 0's copy, 2 holds 1's): 0 sends to 1, 1 to 2.
+    two = rows(((8,), (8,)), ((), ()), ((), ()), ((8,), (8,)))
+    assert exchanges(two, HOLDERS_4, 8) == [(True, False), (True, True), (False, True),
+                                            (False, False)]
+
+
+def test_both_ends_of_every_pair_agree():
+    import itertools
+
+    for world, local_world in [(2, 2), (4, 4), (4, 2), (6, 3)]:
+        holders = [holder_of(r, world, local_world) for r in range(world)]
+        for wards in itertools.product([(), (5,), (5, 3)], repeat=world):
+            spec = [CopyRow((5,), w) for w in wards]
+            got = exchanges(spec, holders, 5)
+            for r in range(world):  # r sends to its holder iff the holder receives
+                assert got[r][0] == got[holders[r]][1]
+    # A world of one keeps its own snapshot only.
+    assert entry_exchange([CopyRow((), ())], [0], 0, 3) == (False, False)

@@ -15,6 +15,12 @@ commit of a step that is a multiple of K:
    node) when the job spans nodes, else ``r + 1``, modulo the world size; r's ward is
    the rank whose holder r is.
 
+At a generation's entry the exchange carries only what is missing (:func:`entry_exchange`:
+every rank's :class:`CopyRow` gathered first): after a recovery the survivors already
+hold their own snapshot of the step they resume at and their holders a copy of it, so
+the newcomers' wards send them theirs and the newcomers snapshot their own for their
+holders, which served them from it; nothing else moves.
+
 A rank keeps its last :data:`CopyRow.KEPT` own snapshots and complete copies of its
 ward's: the copy that was arriving when its sender died is torn, the one before it must
 still be there. Training never waits for a copy: at a commit whose snapshot would start
@@ -103,6 +109,17 @@ def copy_plan(rows: Sequence[CopyRow], holders: Sequence[int]) -> tuple[int, dic
                      "before its first copy arrived")
 
 
+def entry_exchange(rows: Sequence[CopyRow], holders: Sequence[int], rank: int,
+                   step: int) -> tuple[bool, bool]:
+    """At a generation's entry at ``step``: whether ``rank`` sends its snapshot of it to
+    its holder, and whether it receives its ward's. Only to a holder without a complete
+    copy of it (a newcomer, or one whose copy was torn): both ends of each pair decide
+    alike from the same rows."""
+    ward = holders.index(rank)
+    return (holders[rank] != rank and step not in rows[holders[rank]].ward,
+            ward != rank and step not in rows[rank].ward)
+
+
 def _step_of(tree: dict[str, Any]) -> int:
     return Cursor.from_tree(tree["cursor"]).step
 
@@ -138,13 +155,13 @@ class BuddyCopies:
         self._threads: list[threading.Thread] = []
         self._pg: Any = None
         self.rank = self.holder = self.ward_rank = 0
-        self.local_world = 1
+        self.world = self.local_world = 1
 
     def open(self, rank: int, world: int, local_world: int) -> None:
         """On every rank of a new generation, after its group is built (a collective):
         the group the copies travel on, and who holds whose."""
         self._pg = dist.new_group(backend="gloo")
-        self.rank, self.local_world = rank, local_world
+        self.rank, self.world, self.local_world = rank, world, local_world
         self.holder = holder_of(rank, world, local_world)
         self.ward_rank = ward_of(rank, world, local_world)
 
@@ -160,42 +177,66 @@ class BuddyCopies:
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 
-    def snapshot(self, message: Callable[[], Any],
-                 stale: Callable[[], bool] | None = None) -> None:
-        """Copy the committed state (``message()``: its tree) and start its exchange.
-
-        ``stale``: first wait for the last exchange (a generation's entry, whose
-        threads end when their peers have torn the last generation's groups down).
-        Without it (a commit), a snapshot whose last exchange is still on the way is
-        skipped: training never waits for a copy, and a holder that hangs does not hang
-        its ward (the hang detection must find the one that is stuck). Skips do not
-        misalign the exchanges: a copy is labelled by the step it holds, and each pair
-        of ranks sends and receives whole messages in order."""
-        if stale is not None:
-            self.settle(stale=stale)
-        elif any(t.is_alive() for t in self._threads):
+    def snapshot(self, message: Callable[[], Any]) -> None:
+        """At a commit: copy the committed state (``message()``: its tree) and start its
+        exchange. Skipped while the last exchange is still on the way: training never
+        waits for a copy, and a holder that hangs does not hang its ward (the hang
+        detection must find the one that is stuck). Skips do not misalign the
+        exchanges: a copy is labelled by the step it holds, and each pair of ranks
+        sends and receives whole messages in order."""
+        if any(t.is_alive() for t in self._threads):
             logger.debug("buddy copy skipped: the last one is still on its way")
             return
-        pg = self._pg
-        if pg is None:
+        if self._pg is not None:
+            tree = self._own_snapshot(message)
+            self._exchange(tree, _step_of(tree), receive=True)
+
+    def enter(self, step: int, message: Callable[[], Any],
+              rows: Callable[[], Sequence[CopyRow]]) -> None:
+        """On every rank of a new generation at ``step`` (the last exchange ended:
+        :meth:`settle`): hold the generation's first state. ``rows()`` gathers every
+        rank's row (a collective); this rank's own snapshot of ``step`` is taken unless
+        it has one (the state it went back to, or committed and rolled back to), and
+        only what a holder lacks is exchanged (:func:`entry_exchange`)."""
+        if self._pg is None:
             return
+        send, receive = entry_exchange(rows(), self.holders(self.world), self.rank, step)
+        if step in self.own:
+            self.own = _keep(self.own, step, CopyRow.KEPT)
+            tree = self.own[step]
+        else:
+            tree = self._own_snapshot(message)
+        self._exchange(tree if send else None, step, receive)
+
+    def _own_snapshot(self, message: Callable[[], Any]) -> Any:
+        """The committed state copied into host memory, kept as this rank's own."""
         live = message()
         step = _step_of(live)
         kept = _keep(self.own, step - 1, CopyRow.KEPT - 1)
         tree = _host_copy(live, _dropped(self.own, kept))
         del live
         self.own = {**kept, step: tree}
+        return tree
+
+    def _exchange(self, tree: Any, step: int, receive: bool) -> None:
+        """Send ``tree`` (None: nothing) to the holder and, with ``receive``, take the
+        ward's copy of ``step``, in the background."""
         with self._lock:  # room for the copy about to arrive
-            ward = _keep(self.ward, step - 1, CopyRow.KEPT - 1)
+            ward = _keep(self.ward, step - 1 if receive else step,
+                         CopyRow.KEPT - 1 if receive else CopyRow.KEPT)
             spare = _dropped(self.ward, ward)
             self.ward = ward
         if self.holder == self.ward_rank == self.rank:
             return  # a world of one: nobody to hold it
-        self._threads = [
-            threading.Thread(target=self._send, args=(pg, tree), daemon=True,
-                             name="tp-run buddy copy send"),
-            threading.Thread(target=self._receive, args=(pg, spare), daemon=True,
-                             name="tp-run buddy copy receive")]
+        pg = self._pg
+        self._threads = []
+        if tree is not None:
+            self._threads.append(threading.Thread(target=self._send, args=(pg, tree),
+                                                  daemon=True, name="tp-run buddy copy send"))
+        if receive:
+            self._threads.append(threading.Thread(target=self._receive, args=(pg, spare),
+                                                  daemon=True,
+                                                  name="tp-run buddy copy receive"))
         for t in self._threads:
             t.start()
 
@@ -270,4 +311,5 @@ def _keep(copies: dict[int, Any], newest: int, count: int) -> dict[int, Any]:
     return {s: copies[s] for s in steps}
 
 
-__all__ = ["BuddyCopies", "CopiesLost", "copy_plan", "holder_of", "ward_of"]
+__all__ = ["BuddyCopies", "CopiesLost", "copy_plan", "entry_exchange", "holder_of",
+           "ward_of"]

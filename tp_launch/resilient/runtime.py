@@ -73,6 +73,7 @@ from tp_launch.resilient.transfer import (
     StateLost,
     adopt,
     agree_and_transfer,
+    copy_rows,
     recv_pieces,
     recv_state,
     send_pieces,
@@ -328,8 +329,11 @@ class _Runner:
         self.layouts.keep_buffers = not fresh
         self.rollback.refresh_layout()
         self.rollback.capture()
-        if self.copies is not None:  # every rank holds the generation's first state
-            self.copies.snapshot(lambda: self.carrier.message().to_tree(), link.stale)
+        copies, rank = self.copies, gen.rank
+        if copies is not None:  # every rank holds the generation's first state
+            copies.settle(stale=link.stale)
+            copies.enter(state.step, lambda: self.carrier.message().to_tree(),
+                         lambda: copy_rows(copies, rank, gen.world_size))
         link.send(channel.Resumed(
             gen=gen.gen, rank=gen.rank, step=stats.step, handoff_s=t1 - t0,
             group_s=t2 - t1, agree_s=stats.agree_s, transfer_s=stats.transfer_s,

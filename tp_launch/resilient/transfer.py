@@ -431,7 +431,7 @@ def _back_to_copies(carrier: Carrier, copies: BuddyCopies, stats: TransferStats,
     (:mod:`tp_launch.resilient.copies`)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     t0 = time.monotonic()
-    rows = _copy_rows(copies, rank, world)
+    rows = copy_rows(copies, rank, world)
     try:
         step, plan = copy_plan(rows, copies.holders(world))
     except CopiesLost as e:
@@ -466,7 +466,7 @@ def _own_objects_from_copies(carrier: Carrier, copies: BuddyCopies, plan: dict[i
     holder survived with a copy of ``step`` gets its own objects from that copy.
     Collective (every rank gathers the copy rows). Whether this rank got its own."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    rows = _copy_rows(copies, rank, world)
+    rows = copy_rows(copies, rank, world)
     holders = copies.holders(world)
     served = {r: holders[r] for r in sorted(plan)
               if holders[r] not in plan and step in rows[holders[r]].ward}
@@ -485,7 +485,7 @@ def _own_objects_from_copies(carrier: Carrier, copies: BuddyCopies, plan: dict[i
     return True
 
 
-def _copy_rows(copies: BuddyCopies, rank: int, world: int) -> list[CopyRow]:
+def copy_rows(copies: BuddyCopies, rank: int, world: int) -> list[CopyRow]:
     """Every rank's :class:`CopyRow`, once the exchange in flight has ended (or not
     within ``_SETTLE_S``: what it was receiving is then not counted). Collective."""
     if not copies.settle(timeout=_SETTLE_S):
@@ -641,5 +641,5 @@ def verify(state: State, own: Collection[str] = ()) -> None:
 
 
 __all__ = ["Carrier", "Diverged", "PeerGroup", "StateLost", "TransferStats", "adopt",
-           "agree_and_transfer", "buffers_digest", "donor_plan", "recv_pieces", "recv_state",
-           "send_pieces", "send_state", "verify"]
+           "agree_and_transfer", "buffers_digest", "copy_rows", "donor_plan", "recv_pieces",
+           "recv_state", "send_pieces", "send_state", "verify"]
