@@ -24,7 +24,13 @@ holders, which served them from it; nothing else moves.
 A rank keeps its last :data:`CopyRow.KEPT` own snapshots and complete copies of its
 ward's: the copy that was arriving when its sender died is torn, the one before it must
 still be there. Training never waits for a copy: at a commit whose snapshot would start
-while the last exchange is still on its way, the snapshot is skipped.
+while some rank's last exchange is still on its way, the snapshot is skipped, on every
+rank alike (each due commit, the ranks vote on a gloo group of its own: one word, from
+the training thread). So every rank's snapshots are of the same steps, and a new
+exchange starts only once the last one has ended everywhere: the snapshot before the
+one in flight is whole on every holder. (Skipped rank by rank, as at first, a loaded
+machine left ranks with snapshots of different steps and no step every rank could go
+back to.)
 
 After a failure the agreement (:mod:`tp_launch.resilient.transfer`) first tries to
 recover at the same step from live holders of every piece (replicated state, HSDP's
@@ -154,6 +160,7 @@ class BuddyCopies:
         self._lock = threading.Lock()  # self.ward: written by the receiving thread
         self._threads: list[threading.Thread] = []
         self._pg: Any = None
+        self._vote: Any = None  # whether every rank's last exchange ended: at commits
         self.rank = self.holder = self.ward_rank = 0
         self.world = self.local_world = 1
 
@@ -161,6 +168,9 @@ class BuddyCopies:
         """On every rank of a new generation, after its group is built (a collective):
         the group the copies travel on, and who holds whose."""
         self._pg = dist.new_group(backend="gloo")
+        # Not the copy group: its worker threads may be busy with the exchange, which
+        # the vote must not wait for.
+        self._vote = dist.new_group(backend="gloo")
         self.rank, self.world, self.local_world = rank, world, local_world
         self.holder = holder_of(rank, world, local_world)
         self.ward_rank = ward_of(rank, world, local_world)
@@ -172,24 +182,30 @@ class BuddyCopies:
     def close(self) -> None:
         """Training stopped: let go of the generation's copy group (its peers blocked
         in an exchange with this rank are released when the groups are destroyed)."""
-        self._pg = None
+        self._pg = self._vote = None
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 
     def snapshot(self, message: Callable[[], Any]) -> None:
-        """At a commit: copy the committed state (``message()``: its tree) and start its
-        exchange. Skipped while the last exchange is still on the way: training never
-        waits for a copy, and a holder that hangs does not hang its ward (the hang
-        detection must find the one that is stuck). Skips do not misalign the
-        exchanges: a copy is labelled by the step it holds, and each pair of ranks
-        sends and receives whole messages in order."""
-        if any(t.is_alive() for t in self._threads):
-            logger.debug("buddy copy skipped: the last one is still on its way")
+        """At a due commit, on every rank (a collective: the vote): copy the committed
+        state (``message()``: its tree) and start its exchange, unless some rank's last
+        exchange is still on the way: then every rank skips it. Training never waits
+        for a copy, and a holder that hangs does not hang its ward beyond the next
+        collective (the hang detection must find the one that is stuck)."""
+        if self._pg is None:
             return
-        if self._pg is not None:
-            tree = self._own_snapshot(message)
-            self._exchange(tree, _step_of(tree), receive=True)
+        ended = torch.tensor([0 if any(t.is_alive() for t in self._threads) else 1])
+        try:
+            dist.all_reduce(ended, op=dist.ReduceOp.MIN, group=self._vote)
+        except Exception as e:  # a peer died: the commit stands, the next check says so
+            logger.info("buddy copy skipped: the vote failed (%s)", e)
+            return
+        if not int(ended.item()):
+            logger.debug("buddy copy skipped: a rank's last one is still on its way")
+            return
+        tree = self._own_snapshot(message)
+        self._exchange(tree, _step_of(tree), receive=True)
 
     def enter(self, step: int, message: Callable[[], Any],
               rows: Callable[[], Sequence[CopyRow]]) -> None:
