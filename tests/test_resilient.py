@@ -286,7 +286,10 @@ def test_crash_loop_stops_with_root_cause(workdir, test_env):
                                            "--log-dir", str(log_dir)],
                        ["--crash-step", "5"])
     assert proc.returncode == 1
-    assert "crash loop" in proc.stderr
+    # The agent's account, if not: which deaths it saw in which order (CI once saw "no
+    # rank holds the training state" here; not reproduced in 20 runs under load).
+    assert "crash loop" in proc.stderr, "\n".join(
+        x for x in proc.stderr.splitlines() if "tp_launch" in x or x.startswith("tp-run"))
     assert "resilient_train.py FAILED" in proc.stderr
     assert "deliberate bug at step 5" in proc.stderr
     assert len(recoveries(log_dir)) <= 1  # the pool was not drained
