@@ -14,8 +14,9 @@ rank's shard of the parameters and moments about ``--shard-mb``) runs, interleav
 The table gives each one's median and mean step time (rank 0, after the warm-up, every
 repetition) and their ratios to torchrun's: the median is a step without a copy's cost
 when copies are every K steps, the mean what K steps cost on average, the copy's
-included. Then rank 0's peak resident memory and what it adds to the run without copies. Then one run with copies every step is killed (rank
-1, SIGKILL after step 15's optimizer step): kill → every rank resumed (the agent's
+included; and rank 0's peak resident memory and what it adds to the run without
+copies. Then one run with copies every step is killed (rank 1, SIGKILL after step 15's
+optimizer step): kill → every rank resumed (the agent's
 ``recovery.jsonl``), next to the aim of 0.5 s plus the bytes moved at the link rate that
 torchrun's run measured (one shard-sized gloo send between the two ranks).
 

@@ -287,7 +287,7 @@ def test_crash_loop_stops_with_root_cause(workdir, test_env):
                        ["--crash-step", "5"])
     assert proc.returncode == 1
     # The agent's account, if not: which deaths it saw in which order (CI once saw "no
-    # rank holds the training state" here; not reproduced in 20 runs under load).
+    # rank holds the training state" here; not reproduced in 19 local runs, most under load).
     assert "crash loop" in proc.stderr, "\n".join(
         x for x in proc.stderr.splitlines() if "tp_launch" in x or x.startswith("tp-run"))
     assert "resilient_train.py FAILED" in proc.stderr
