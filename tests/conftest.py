@@ -180,6 +180,74 @@ def kill_tree(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
         pass
 
 
+# ---------------------------------------------------------------- the tiers
+#
+# unit: decisions and codecs, no process (asserted: starting one fails the test), the
+#   whole tier in well under a minute (`pytest -m unit`).
+# slow: longer failure-path launches (run in CI; `-m "not slow"` is the inner loop).
+# matrix: the combinatorial kill matrices (every kill point x loop x rank), whose
+#   decisions the unit tier covers; run on demand: `pytest --matrix` (or
+#   TP_RUN_MATRIX=1), outside CI.
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--matrix", action="store_true",
+                     help="also run the combinatorial kill matrices (marker: matrix)")
+
+
+def _matrix_wanted(config: pytest.Config) -> bool:
+    return bool(config.getoption("--matrix") or os.environ.get("TP_RUN_MATRIX") == "1")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _matrix_wanted(config):
+        return
+    skip = pytest.mark.skip(reason="the combinatorial matrix: run with --matrix")
+    for item in items:
+        if item.get_closest_marker("matrix") is not None:
+            item.add_marker(skip)
+
+
+class ProcessStarted(AssertionError):
+    """A unit test started a process."""
+
+
+def _no_process(*_args: object, **_kwargs: object) -> None:
+    raise ProcessStarted("a unit test started a process (the unit tier starts none)")
+
+
+@pytest.fixture(autouse=True)
+def _unit_tier_starts_no_process(request: pytest.FixtureRequest,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under the unit marker, every way to start a process fails the test: subprocess
+    (its own name for _posixsubprocess.fork_exec, or posix_spawn), multiprocessing
+    (_posixsubprocess.fork_exec), os.fork and os.forkpty."""
+    if request.node.get_closest_marker("unit") is None:
+        return
+    import _posixsubprocess
+
+    monkeypatch.setattr(_posixsubprocess, "fork_exec", _no_process)
+    monkeypatch.setattr(subprocess, "_fork_exec", _no_process)
+    for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp"):
+        if hasattr(os, name):
+            monkeypatch.setattr(os, name, _no_process)
+
+
+_UNIT_TIMES: list[float] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call" and "unit" in report.keywords:
+        _UNIT_TIMES.append(report.duration)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _UNIT_TIMES:
+        terminalreporter.write_line(
+            f"unit tier: {len(_UNIT_TIMES)} tests, {sum(_UNIT_TIMES):.1f} s of test time, "
+            "no process started")
+
+
 # ---------------------------------------------------------------- a disk that fills up
 
 

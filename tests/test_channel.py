@@ -7,6 +7,8 @@ import pytest
 from tp_launch import channel
 from tp_launch.channel import ChannelError
 
+pytestmark = pytest.mark.unit
+
 EXAMPLES: list[channel.Message] = [
     channel.Status(),
     channel.StatusReply(

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tp_launch.agent.control import CrashLoop, Placed, SpareRestarts, failures_served
+
+pytestmark = pytest.mark.unit
 
 
 def test_spares_dying_young_are_restarted_ever_later():

@@ -17,6 +17,8 @@ from tp_launch.resilient.copies import (
 )
 from tp_launch.resilient.wire import CopyRow, WireError
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("world, local_world", [(2, 2), (4, 4), (4, 2), (8, 4), (6, 4), (3, 1)])
 def test_every_rank_has_one_holder_and_one_ward(world, local_world):

@@ -9,6 +9,8 @@ import pytest
 from tp_launch.agent.events import EventLog
 from tp_launch.config import ConfigError
 
+pytestmark = pytest.mark.unit
+
 
 def test_console_events_are_torchruns_json(capsys):
     EventLog("console").record("torchelastic.worker.status.SUCCEEDED", run_id="j", group_rank=0)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+import pytest
+
 from tp_launch.agent.failures import (
     ProcessFailure,
     copy_root_cause,
@@ -12,6 +14,8 @@ from tp_launch.agent.failures import (
     first_observed,
     format_summary,
 )
+
+pytestmark = pytest.mark.unit
 
 
 @dataclass

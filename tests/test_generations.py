@@ -3,6 +3,8 @@ the single-node side of the recovery path that multi-node jobs share."""
 
 from __future__ import annotations
 
+import pytest
+
 from rendezvous import RendezvousInfo
 from rendezvous.static import StaticRendezvous
 from tp_launch.agent.control import Generation
@@ -12,6 +14,8 @@ from tp_launch.agent.generations import (
     open_generations,
     shared_membership,
 )
+
+pytestmark = pytest.mark.unit
 
 
 def _info(world_size: int = 3) -> RendezvousInfo:

@@ -6,6 +6,8 @@ from tp_launch.agent import hangs
 from tp_launch.agent.hangs import HangPolicy, ProgressClock, Stragglers, assess
 from tp_launch.progress import Mark, Stage
 
+pytestmark = pytest.mark.unit
+
 NOW = 1000.0
 POLICY = HangPolicy(timeout=10.0)
 

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import pytest
+
 from rendezvous.kv import KV, CountingKV
+
+pytestmark = pytest.mark.unit
 
 
 class _Stub(KV):

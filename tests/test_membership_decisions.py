@@ -35,6 +35,8 @@ from rendezvous.decisions import (
 )
 from rendezvous.state import JoinRecord, Member, RoundState, StateError, World
 
+pytestmark = pytest.mark.unit
+
 A, B, C, ME = (Member(n, f"10.0.0.{i}", 2) for i, n in enumerate(["a", "b", "c", "me"]))
 NOW = 100.0
 

@@ -25,6 +25,8 @@ from rendezvous.membership import (
 from rendezvous.state import RoundState
 from tests.memkv import MemStore
 
+pytestmark = pytest.mark.unit
+
 TTL = 30.0
 
 

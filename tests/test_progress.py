@@ -9,6 +9,8 @@ import pytest
 from tp_launch import progress
 from tp_launch.progress import Mark, Stage
 
+pytestmark = pytest.mark.unit
+
 
 def test_board_write_read(tmp_path):
     path = str(tmp_path / "board")

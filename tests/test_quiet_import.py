@@ -9,6 +9,8 @@ import pytest
 
 from rendezvous.quiet import import_quietly
 
+pytestmark = pytest.mark.unit
+
 MODULE = "tp_test_quiet_probe"
 ENV = "TP_TEST_QUIET_LEVEL"
 

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tp_launch import channel
 from tp_launch.agent.recovery_report import Recovery, recovery_report
+
+pytestmark = pytest.mark.unit
 
 
 def _resumed(rank: int, t: float, **timings: float) -> channel.Resumed:

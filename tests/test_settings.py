@@ -15,6 +15,8 @@ from rendezvous.kv import KVError
 from tp_launch.config import LaunchConfig, Std, check_seconds, parse_rdzv_conf
 from tp_launch.procs.logs import LogLayout
 
+pytestmark = pytest.mark.unit
+
 
 def test_tp_launch_raises_the_grammar_error():
     assert tp_launch.config.ConfigError is ConfigError

@@ -16,6 +16,8 @@ from tp_launch.resilient.ddp import Layout, Layouts
 from tp_launch.resilient.rollback import Rollback
 from tp_launch.resilient.state import Cursor, Hooks, ResilientUsageError, State
 
+pytestmark = pytest.mark.unit
+
 
 class Recorder(Hooks):
     def __init__(self) -> None:

@@ -27,6 +27,8 @@ from tp_launch.resilient.wire import (
     send_message,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def _message() -> StateMessage:
     return StateMessage(

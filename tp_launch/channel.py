@@ -1,8 +1,9 @@
 """The worker <-> local agent channel of resilient mode: JSON lines over a Unix socket.
 
-One module on purpose: it is the whole contract between a worker and its agent (the
-socket's messages, and the names of the environment variables that carry it), which
-both sides import alone.
+One module on purpose: it is the socket's whole contract between a worker and its agent,
+which both sides import alone. The environment variables that tell a process where the
+socket is (and the rest of what its agent hands it) are
+:mod:`tp_launch.worker_settings`.
 
 Workers talk only to their own node's agent. The agent listens on a Unix socket in its
 private control directory (:mod:`tp_launch.control_files`) and puts the socket's path
@@ -82,13 +83,6 @@ import types
 import typing
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Annotated, Any, ClassVar, Iterable, Literal, TypeVar
-
-ENV_SOCKET = "TP_RUN_CHANNEL"
-ENV_SLOT = "TP_RUN_SLOT"
-ENV_PROGRESS = "TP_RUN_PROGRESS"
-ENV_VERIFY_EVERY = "TP_RUN_VERIFY_EVERY"
-ENV_SHARD_COPY_EVERY = "TP_RUN_SHARD_COPY_EVERY"
-ENV_HEARTBEAT = "TP_RUN_HEARTBEAT"  # "0": hang and straggler detection are off
 
 # The longest line either side accepts: every message is well under a kilobyte, and a
 # peer that never sends a newline must not make the reader grow without end.

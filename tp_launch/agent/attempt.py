@@ -18,6 +18,7 @@ from typing import Any
 from rendezvous import RendezvousInfo
 from tp_launch import channel, progress
 from tp_launch.agent.control import CrashLoop, Generation, World
+from tp_launch.agent.decisions import Phase, Pending, next_phase
 from tp_launch.agent.control_server import Conn, ControlServer
 from tp_launch.agent.failures import ProcessFailure
 from tp_launch.agent.generations import Generations
@@ -64,21 +65,15 @@ class Attempt:
     next_slot: int  # slots only grow: a slot number names one process for the attempt
     spares_wanted: bool  # the script opts in (or this is a spare node): spares start
     procs: dict[int, Proc] = field(default_factory=dict)  # slot -> process
-    resilient: bool = False  # a rank said hello: the script uses tp_launch.resilient
+    phase: Phase = Phase.RUNNING  # changed only through enter()
     crash: CrashLoop = field(default_factory=CrashLoop)
     recovery: Recovery | None = None  # the generation change being reported
-    waiting: dict[int, str] = field(default_factory=dict)  # rank -> lost node: no spare yet
-    waiting_since: float = 0.0
-    wait_deadline: float = 0.0  # monotonic
-    # rank -> node: a recovery decided while the backend was unreachable, waiting for it
-    # to be published (multi-node; see ResilientAgent._defer).
-    deferred: dict[int, str] = field(default_factory=dict)
-    deferred_since: float = 0.0
+    # Ranks lost with no generation yet: no spare parked (--spare-policy wait), or the
+    # backend unreachable (multi-node; see ResilientAgent, on outages).
+    pending: Pending = field(default_factory=Pending)
     outage_seen: float = -1e9  # monotonic: the last time the backend was unreachable
     unplaced: list[int] = field(default_factory=list)  # this node's ranks with no spare yet
     finished: set[int] = field(default_factory=set)  # ranks that finished training
-    exiting: bool = False  # every rank finished: the processes are told to exit
-    ended: bool = False  # the attempt ended after the exit barrier: spares may leave
     retired: set[int] = field(default_factory=set)  # slots of ranks that migrated away
     first_failure: ProcessFailure | None = None
     last_view: float = 0.0  # monotonic: the last read of the job's state
@@ -93,6 +88,25 @@ class Attempt:
     origin: dict[int, int] = field(default_factory=dict)  # rank -> slot of its last holder
     # This node's ranks moved away on an advance warning: its spares take no rank.
     draining: bool = False
+
+    @property
+    def resilient(self) -> bool:
+        """A process said hello: the script uses tp_launch.resilient."""
+        return any(p.hello for p in self.procs.values())
+
+    @property
+    def exiting(self) -> bool:
+        """Training is over: every rank finished, the processes are told to exit."""
+        return self.phase is not Phase.RUNNING
+
+    def enter(self, phase: Phase) -> None:
+        """Move the attempt's lifecycle on (:class:`~tp_launch.agent.decisions.Phase`)."""
+        self.phase = next_phase(self.phase, phase)
+
+    def recovering(self) -> bool:
+        """A generation change is under way on this node: not every rank resumed."""
+        return self.recovery is not None and \
+            len(self.recovery.resumed) < len(self.world.slot_of)
 
     def slot_rank(self, slot: int) -> int | None:
         return self.world.rank_of(slot)

@@ -2,7 +2,8 @@
 
 Every process of an attempt runs in a *slot* (a number that names one process for the
 attempt: slots only grow). :class:`Processes` starts a rank or a spare in a slot, with
-the agent channel in its environment; keeps the pool of spares filled (once the script
+its worker settings (:mod:`tp_launch.worker_settings`: the agent channel, its
+slot, ...) in its environment; keeps the pool of spares filled (once the script
 opts in, and with an exponential backoff while spares keep dying young:
 :class:`~tp_launch.agent.control.SpareRestarts`); reports a spare that died, once per
 streak of such deaths; shows a spare's output as its rank's once it takes one; and at
@@ -19,7 +20,7 @@ import signal
 import subprocess
 import time
 
-from tp_launch import channel, progress
+from tp_launch import progress
 from tp_launch.agent.attempt import Attempt, Proc
 from tp_launch.agent.control import SpareRestarts
 from tp_launch.agent.failures import exit_description
@@ -27,6 +28,7 @@ from tp_launch.agent.worker_env import spare_env, worker_argv, worker_env
 from tp_launch.config import ConfigError, LaunchConfig
 from tp_launch.procs.logs import LogLayout, RankLogs, SpareOutput
 from tp_launch.procs.worker import WorkerProcess, signal_main_thread, stop_workers
+from tp_launch.worker_settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -64,14 +66,12 @@ class Processes:
         device = at.free_device() if spare else slot
         make_env = spare_env if spare else worker_env
         env = make_env(cfg, at.info, device, at.restart_count, rl.error_file)
-        env.update({channel.ENV_SOCKET: at.control.path, channel.ENV_SLOT: str(slot),
-                    channel.ENV_PROGRESS: at.board.path})
-        if cfg.verify_every:
-            env[channel.ENV_VERIFY_EVERY] = str(cfg.verify_every)
-        if cfg.shard_copy_every:
-            env[channel.ENV_SHARD_COPY_EVERY] = str(cfg.shard_copy_every)
-        if not cfg.hang_timeout_for(resilient=True) and not cfg.straggler_factor:
-            env[channel.ENV_HEARTBEAT] = "0"  # nobody reads it
+        env.update(WorkerSettings(
+            channel=at.control.path, slot=slot, progress=at.board.path,
+            verify_every=cfg.verify_every, shard_copy_every=cfg.shard_copy_every,
+            # Without hang or straggler detection nobody reads the heartbeat.
+            heartbeat=bool(cfg.hang_timeout_for(resilient=True) or cfg.straggler_factor),
+            spare=spare).to_env())
         argv = worker_argv(cfg, device)
         try:
             worker = WorkerProcess(argv, env, rl.stdout, rl.stderr, device, piped=spare)

@@ -51,6 +51,18 @@ from tp_launch import channel
 from tp_launch.agent.advance import Outcome
 from tp_launch.agent.attempt import Attempt
 from tp_launch.agent.control import Generation, evacuate, failures_served, place
+from tp_launch.agent.decisions import (
+    NoSpare,
+    Phase,
+    Publish,
+    StateLost,
+    ViewFacts,
+    judge_view,
+    migration_refusal,
+    node_migration_refusal,
+    placement_order,
+    plan_recovery,
+)
 from tp_launch.agent.generations import View
 from tp_launch.agent.node_agent import AttemptResult
 from tp_launch.agent.processes import Processes
@@ -98,60 +110,53 @@ class Recoverer:
     def recover(self, lost: dict[int, str], detected: float,
                 view: View | None = None) -> None:
         """Ranks lost their process (rank -> the node it was on; this node's own, or a
-        lost node's): publish a generation that gives each a parked spare. ``view``:
-        the job's state if the caller has just read it (multi-node)."""
+        lost node's): publish the generation :func:`~tp_launch.agent.decisions.plan_recovery`
+        decides, which gives each a parked spare; none parked: ``--spare-policy``; the
+        backend unreachable: defer the generation until it answers. ``view``: the job's
+        state if the caller has just read it (multi-node)."""
         at = self.attempt
-        world, g = at.world, at.gen
-        lost = {**at.waiting, **at.deferred, **lost}
+        lost = {**at.pending.ranks, **lost}
         if not lost:
             return
-        local = [r for r, n in lost.items() if n == world.node]
-        elsewhere = [r for r, n in g.ranks.items() if r not in lost and n != world.node]
-        if not elsewhere and not at.holders - set(lost):
-            self.state_lost(f"rank(s) {sorted(lost)} failed and no other rank held the "
-                            "training state")
         try:
-            ranks: dict[int, str] | None = g.ranks  # this node's spares take its dead ranks
-            if len(local) < len(lost) or len(world.parked) < len(lost):
-                ranks = self._place(lost, view)
-            if ranks is not None:
-                failed = [at.failed_record(r) if r in local else {"rank": r, "node": n}
+            plan = plan_recovery(lost, at.world.node, at.gen, at.holders, at.hung,
+                                 len(at.world.parked), at.gens.store,
+                                 lambda moving: self._place(moving, view))
+            if isinstance(plan, Publish):
+                failed = [at.failed_record(r) if r in plan.local else {"rank": r, "node": n}
                           for r, n in sorted(lost.items())]
-                reason = "failure" if local else "node loss"
-                if local and set(local) <= set(at.hung):
-                    reason = "hang"
-                new = Generation(g.gen + 1, ranks, at.gens.store, sorted(lost), reason)
-                published = at.gens.publish(new)
+                published = at.gens.publish(plan.generation)
         except KVUnavailable as e:
             self._defer(lost, detected, e)
             return
         except KVError as e:  # a refusal, not an outage (a c10d store whose host died)
             raise RendezvousError(f"rank(s) {sorted(lost)} lost their process and the "
                                   f"rendezvous backend failed: {e}") from None
-        at.deferred = {}
-        if ranks is None:
+        if isinstance(plan, StateLost):
+            self.state_lost(plan.detail)
+        at.pending.no_backend = {}
+        if isinstance(plan, NoSpare):
             self._no_spare(lost, detected)
             return
         if published:
-            at.waiting = {}
+            at.pending.no_spare = {}
             at.holders -= set(lost)
-            self.apply(new, detected, failed)
+            self.apply(plan.generation, detected, failed)
         else:
             # Another node published first: read its generation now; applying it gives
             # this node's dead ranks this node's spares.
             at.last_view = 0.0
 
     def _place(self, lost: dict[int, str], view: View | None) -> dict[int, str] | None:
-        """Homes for ``lost`` ranks, nodes tried in this order: this node for its own
-        dead ranks, spare nodes (a lost node's ranks), then every other live node."""
+        """Homes for ``lost`` ranks (:func:`~tp_launch.agent.control.place`), in the
+        order :func:`~tp_launch.agent.decisions.placement_order` gives."""
         at = self.attempt
         view = view or at.gens.view()
         if view is None:
             return None
         parked = {**at.gens.parked(), at.world.node: len(at.world.parked)}
-        order = [at.world.node] if at.world.node in lost.values() else []
-        order += [n for n in view.spare_nodes + at.gen.nodes
-                  if n in view.alive and n not in order and n not in lost.values()]
+        order = placement_order(at.world.node, lost, view.spare_nodes, at.gen.nodes,
+                                view.alive)
         return place(lost, at.gen.ranks, parked, order)
 
     def _no_spare(self, lost: dict[int, str], detected: float) -> None:
@@ -159,15 +164,15 @@ class Recoverer:
         at = self.attempt
         policy, dead = self.config.spare_policy, sorted(lost)
         if policy == "wait":
-            if not at.waiting:
-                at.waiting_since = detected
-                at.wait_deadline = time.monotonic() + self.config.spare_wait_timeout
+            if not at.pending.no_spare:
+                at.pending.no_spare_since = detected
+                at.pending.deadline = time.monotonic() + self.config.spare_wait_timeout
                 logger.warning("no spare parked for rank(s) %s; waiting up to %.0f s",
                                dead, self.config.spare_wait_timeout)
                 for rank, slot in at.world.slot_of.items():
                     if rank not in lost:
                         at.tell(slot, channel.Recovering())
-            at.waiting = lost
+            at.pending.no_spare = lost
             self.processes.spawn_missing(at)
             return
         logger.error("no spare parked for rank(s) %s (--spare-policy %s)", dead, policy)
@@ -275,12 +280,9 @@ class Recoverer:
     def migrate(self, rank: int, evidence: str = "") -> str:
         at = self.attempt
         world, g = at.world, at.gen
-        if rank not in world.slot_of:
-            return f"error: no rank {rank} on this node (ranks {sorted(world.slot_of)})"
-        if at.recovery is not None and len(at.recovery.resumed) < len(world.slot_of):
-            return "error: a recovery is in progress; try again in a moment"
-        if not world.parked:
-            return "error: no spare is parked; try again when one is"
+        refusal = migration_refusal(rank, world.slot_of, at.recovering(), len(world.parked))
+        if refusal is not None:
+            return refusal
         steps = [at.board.read(s) for s in world.slot_of.values()]
         boundary = max(steps) + _MIGRATION_MARGIN
         old = at.procs[world.slot_of[rank]].worker.pid
@@ -319,22 +321,16 @@ class Recoverer:
         at = self.attempt
         world, g = at.world, at.gen
         mine = sorted(world.slot_of)
-        if at.draining:
-            return "ok", "ok: this node's ranks have moved already"
-        if not mine and not at.unplaced:
-            # A spare node (or one its ranks left): nothing to move; its spares leave
-            # the pool.
-            at.draining = True
-            self.write_status()
-            return "ok", "ok: this node holds no rank; its spares take none from now on"
-        if not at.resilient:
-            return "impossible", ("error: the script does not use tp_launch.resilient: its "
-                                  "ranks cannot move")
-        if at.exiting:
-            return "impossible", "error: the job is ending"
-        if at.waiting or at.deferred or at.unplaced or \
-                (at.recovery is not None and len(at.recovery.resumed) < len(mine)):
-            return "retry", "error: a recovery is in progress; try again in a moment"
+        refusal = node_migration_refusal(at.draining, len(mine), len(at.unplaced),
+                                         at.resilient, at.phase, bool(at.pending),
+                                         at.recovering())
+        if refusal is not None:
+            if not at.draining and not mine and not at.unplaced:
+                # A spare node (or one its ranks left): nothing to move; its spares
+                # leave the pool.
+                at.draining = True
+                self.write_status()
+            return refusal
         try:
             view = at.gens.view()
             parked = {**at.gens.parked(), world.node: len(world.parked)}
@@ -380,40 +376,36 @@ class Recoverer:
             return
         if view is None:
             return
-        if view.broken:
-            # The backend refuses this node (not an outage): its world is lost.
-            stop_workers(self.processes.workers, signal.SIGTERM, self.config.shutdown_timeout)
-            raise StopJob(AttemptResult(change=WorldChange(
-                CHANGE_LOST, f"the rendezvous backend failed: {view.broken}")), final=False)
-        if view.failed and not at.exiting:
-            stop_workers(self.processes.workers, signal.SIGTERM, self.config.shutdown_timeout)
-            raise StopJob(AttemptResult(change=WorldChange(CHANGE_FAILURE, view.failed)),
-                          final=view.final)
         g = view.generation
-        if g.gen > at.world.gen:
+        facts = ViewFacts(g, frozenset(view.alive), view.failed, view.final, view.complete,
+                          view.all_finished(), view.broken)
+        decision = judge_view(facts, at.gens.node, at.world.gen, at.phase, at.pending)
+        if decision.stop is not None:
+            stop_workers(self.processes.workers, signal.SIGTERM, self.config.shutdown_timeout)
+            if decision.stop == "broken":
+                # The backend refuses this node (not an outage): its world is lost.
+                raise StopJob(AttemptResult(change=WorldChange(
+                    CHANGE_LOST, f"the rendezvous backend failed: {view.broken}")),
+                    final=False)
+            raise StopJob(AttemptResult(change=WorldChange(CHANGE_FAILURE, view.failed or "")),
+                          final=view.final)
+        if decision.apply is not None:
             # (A deferred recovery is void: applying g gave this node's dead ranks
             # its parked spares; lost nodes are looked at again below.)
-            detected = at.deferred_since if at.deferred else time.time()
-            at.deferred = {}
-            self.apply(g, detected, alive_nodes=view.alive)
-        if view.complete or (g.nodes and view.all_finished()):
-            if not at.exiting:
-                at.gens.mark_complete()
-                self.end_job()
-            return
-        lost = [n for n in g.nodes if n not in view.alive]
-        survivors = sorted(n for n in g.nodes if n in view.alive)
-        if lost and not at.exiting and survivors and survivors[0] == at.gens.node:
-            # One decider, the lowest live node (a race is settled by the CAS anyway).
-            moving = {r: n for r, n in g.ranks.items() if n in lost}
-            if not at.waiting:
-                logger.warning("node(s) %s lost (lease expired): moving rank(s) %s", lost,
-                               sorted(moving))
-            self.recover(moving, time.time(), view)
-        elif (at.waiting or at.deferred) and not at.exiting:
+            detected = at.pending.no_backend_since if at.pending.no_backend else time.time()
+            at.pending.no_backend = {}
+            self.apply(decision.apply, detected, alive_nodes=view.alive)
+        if decision.end:
+            at.gens.mark_complete()
+            self.end_job()
+        elif decision.move:
+            if not at.pending.no_spare:
+                logger.warning("node(s) %s lost (lease expired): moving rank(s) %s",
+                               decision.lost_nodes, sorted(decision.move))
+            self.recover(decision.move, time.time(), view)
+        elif decision.retry:
             # A spare may have parked elsewhere; a deferred generation can go out now.
-            self.recover({}, at.waiting_since if at.waiting else at.deferred_since,
-                          view)
+            self.recover({}, at.pending.since, view)
 
     def _backend_unreachable(self, e: KVError) -> None:
         """Multi-node, the backend cannot be reached: the workers keep running; what
@@ -425,8 +417,8 @@ class Recoverer:
         gens = at.gens
         if gens.outage_s() <= gens.outage_timeout:
             return
-        if at.deferred:
-            raise RendezvousError(f"rank(s) {sorted(at.deferred)} lost their process and "
+        if at.pending.no_backend:
+            raise RendezvousError(f"rank(s) {sorted(at.pending.no_backend)} lost their process and "
                                   f"{gens.outage_error(e)}")
         if gens.finish_pending and not at.exiting:
             logger.warning("this node's ranks finished training, and %s: they exit without "
@@ -441,15 +433,15 @@ class Recoverer:
         This node's surviving ranks are told to wait for it without their own limit."""
         at = self.attempt
         at.outage_seen = time.monotonic()
-        if not at.deferred:
-            at.deferred_since = detected
+        if not at.pending.no_backend:
+            at.pending.no_backend_since = detected
             logger.warning("rank(s) %s lost their process while the rendezvous backend is "
                            "unreachable; the new generation waits for it (outage_timeout="
                            "%gs): %s", sorted(lost), at.gens.outage_timeout, e)
             for rank, slot in at.world.slot_of.items():
                 if rank not in lost:
                     at.tell(slot, channel.Recovering())
-        at.deferred = dict(lost)
+        at.pending.no_backend = dict(lost)
         self._backend_unreachable(e)
 
     def fatal(self, msg: channel.Fatal) -> None:
@@ -498,7 +490,7 @@ class Recoverer:
     def end_job(self) -> None:
         """Every rank finished: past the exit barrier, nothing is left to recover."""
         at = self.attempt
-        at.exiting = True
+        at.enter(Phase.EXITING)
         for proc in at.procs.values():
             at.tell(proc.slot, channel.Exit())
 

@@ -62,13 +62,13 @@ two nodes announce two different g+1. So the decision is deferred (by
 backend is never taken for another node's win), this node's surviving ranks are told to
 wait, and the generation goes out when the backend answers; if another node published first
 meanwhile, its generation is applied, which gives this node's dead ranks this node's
-spares. Ranks of other nodes give up waiting for the generation after ``_RANK_WAIT_S``
-and fail together at one step: while the backend is (or lately was) unreachable, that
-is not a crash loop, and they get spares like any dead rank. Past ``outage_timeout`` a
-deferred recovery ends the job with one error line (exit 1); ranks that all finished
-training are let go (every rank took part in the last step's collectives). A rank gone
-before the exit barrier is never a success: the agent exits 0 only after the barrier
-(or when a plain script's ranks all exited 0).
+spares. Ranks of other nodes give up waiting for the generation after
+:data:`~tp_launch.worker_settings.RECOVERY_WAIT_S` and fail together at one step: while
+the backend is (or lately was) unreachable, that is not a crash loop, and they get spares
+like any dead rank. Past ``outage_timeout`` a deferred recovery ends the job with one
+error line (exit 1); ranks that all finished training are let go (every rank took part
+in the last step's collectives). A rank gone before the exit barrier is never a success:
+the agent exits 0 only after the barrier (or when a plain script's ranks all exited 0).
 """
 
 from __future__ import annotations
@@ -84,6 +84,7 @@ from tp_launch.agent import hangs
 from tp_launch.agent.advance import Advance, HealthCheck
 from tp_launch.agent.attempt import Attempt, Proc
 from tp_launch.agent.control import World
+from tp_launch.agent.decisions import Exit, Phase, attempt_settled, backend_to_blame, judge_exits
 from tp_launch.agent.control_server import Conn, ControlServer
 from tp_launch.agent.generations import open_generations, shared_membership
 from tp_launch.agent.node_agent import AttemptResult, NodeAgent, SignalReceived, SignalWatch
@@ -101,11 +102,6 @@ logger = logging.getLogger(__name__)
 _VIEW_POLL_S = 2.0
 # Multi-node: seconds between two publications of this node's status (tp-run status).
 _STATUS_EVERY_S = 2.0
-# How long a rank whose collective failed waits for its agent's next generation before
-# it fails with an error (tp_launch.resilient.runtime.RECOVERY_WAIT_S). Ranks that gave
-# up because the rendezvous backend was down meanwhile fail together, at one step: that
-# is not a crash loop.
-_RANK_WAIT_S = 60.0
 
 
 class ResilientAgent(NodeAgent):
@@ -200,7 +196,7 @@ class ResilientAgent(NodeAgent):
             stop_workers(self.workers, e.sig, cfg.shutdown_timeout)
             raise
         finally:
-            if at.ended:
+            if at.phase is Phase.ENDED:
                 self.processes.let_spares_leave(at)
             stop_workers(self.workers, signal.SIGTERM, cfg.shutdown_timeout)
             at.tail.stop()
@@ -221,7 +217,6 @@ class ResilientAgent(NodeAgent):
                 raise channel.ChannelError(f"hello from slot {msg.slot}, which this agent "
                                            "did not start")
             proc.conn, proc.hello = conn, True
-            at.resilient = True
             self.processes.opt_in(at)
             rank = at.slot_rank(proc.slot)
             if rank is not None:
@@ -230,8 +225,8 @@ class ResilientAgent(NodeAgent):
                 at.world.park(proc.slot)
                 if at.unplaced:
                     self.recoverer.fill_unplaced()
-                if at.waiting:
-                    self.recoverer.recover({}, at.waiting_since)
+                if at.pending.no_spare:
+                    self.recoverer.recover({}, at.pending.no_spare_since)
                 self.recoverer.write_status()
         elif isinstance(msg, channel.Resumed) and msg.gen == at.world.gen:
             at.holders.add(msg.rank)
@@ -285,7 +280,7 @@ class ResilientAgent(NodeAgent):
                 self._on_exits(exited)
             if world_changed or time.monotonic() - at.last_view > _VIEW_POLL_S:
                 self.recoverer.on_world_change()
-            if at.waiting and time.monotonic() > at.wait_deadline:
+            if at.pending.no_spare and time.monotonic() > at.pending.deadline:
                 raise StopJob(self.recoverer.failure_result(), final=True)
             self.processes.spawn_missing(at)  # a spare whose backoff delay is over
             self._advance(watch)
@@ -295,64 +290,54 @@ class ResilientAgent(NodeAgent):
                 at.gens.set_status(node_status(at))
             # A rank that died since the select is seen by the next one: only exits 0 end
             # the attempt here (a death between the two used to pass for a success).
-            unsettled = [s for s in at.world.slot_of.values()
-                         if at.procs[s].worker.returncode != 0]
-            if not unsettled and not at.waiting and not at.unplaced and \
-                    not at.deferred and \
-                    (at.exiting or (at.world.slot_of and not at.resilient)):
-                # Every rank exited 0: after the exit barrier, or a plain script's ranks.
-                # (A resilient rank gone before the barrier is a failure being
-                # recovered, never a success: its generation may still be on its way.)
-                at.ended = at.exiting
+            if attempt_settled([at.procs[s].worker.returncode for s in at.world.slot_of.values()],
+                               bool(at.pending), bool(at.unplaced), at.phase, at.resilient,
+                               bool(at.world.slot_of)):
+                if at.exiting:
+                    at.enter(Phase.ENDED)
                 if not at.resilient:
                     self.processes.say_unused()  # a plain script's ranks all exited 0
                 return AttemptResult()
 
     def _on_exits(self, exited: list[Proc]) -> None:
+        """Processes exited: act on what :func:`~tp_launch.agent.decisions.judge_exits`
+        makes of them."""
         at = self.attempt
         now = time.time()
-        dead_ranks: list[int] = []
-        failures: list[Proc] = []
-        for proc in exited:
-            rank = at.slot_rank(proc.slot)
-            if rank is None:
-                if proc.slot not in at.retired:
-                    self._lost_spare(proc)
-                continue  # a retired rank leaving, or a spare: not a failure of the job
-            if not proc.hello:
-                self.processes.say_unused()
-            if proc.worker.returncode == 0 and (at.exiting or not proc.hello):
-                continue  # the normal end: after the exit barrier, or a plain script's
-            failures.append(proc)
-            dead_ranks.append(rank)
-        if not failures:
-            return
-        if not at.resilient or at.exiting:
+        exits = [Exit(p.slot, at.slot_rank(p.slot), p.worker.returncode or 0, p.hello,
+                      p.slot in at.retired, at.board.read(p.slot)) for p in exited]
+        blame = backend_to_blame(at.gens.outage_s(), time.monotonic() - at.outage_seen)
+        verdict = judge_exits(exits, at.resilient, at.phase, blame, at.crash)
+        procs = {p.slot: p for p in exited}
+        for e in verdict.spares_lost:
+            self._lost_spare(procs[e.slot])
+        if verdict.plain:
+            self.processes.say_unused()
+        failed = [procs[e.slot] for e in verdict.failures]
+        if verdict.outcome == "torchrun":
             # Not resilient, or training is over (a rank died in the script's epilogue,
             # after every rank finished): torchrun's way.
-            result = self._fail([p.worker for p in failures], at.rank_map())
-            raise StopJob(result, final=False)
-        # Ranks may have waited for a generation that only the unreachable backend could
-        # bring, and given up: their errors say nothing about the script.
-        blame_backend = at.gens.outage_s() > 0 or \
-            time.monotonic() - at.outage_seen < _RANK_WAIT_S + 5
-        for proc in failures:
+            raise StopJob(self._fail([p.worker for p in failed], at.rank_map()), final=False)
+        if verdict.outcome == "none":
+            return
+        for proc in failed:
             if at.slot_rank(proc.slot) not in at.hung:
                 logger.warning("rank %s (pid %s) failed with exit code %s; replacing it",
                                at.slot_rank(proc.slot), proc.worker.pid,
                                proc.worker.returncode)
-            f = at.as_failure(proc)
             if at.first_failure is None:
-                at.first_failure = f
-            step = at.board.read(proc.slot)
-            if not blame_backend and at.crash.is_loop(proc.worker.returncode or 0, step):
-                logger.error("rank %s failed again at step %s with exit code %s: a crash "
-                             "loop, not a machine failure; stopping the job",
-                             f.rank, step, f.exitcode)
-                at.gens.report_failure(f"rank {f.rank} crash loop at step {step}", final=True)
-                stop_workers(self.workers, signal.SIGTERM, self.config.shutdown_timeout)
-                raise StopJob(AttemptResult([f, *at.other_failures(f)], f), final=True)
-        self.recoverer.recover({r: at.world.node for r in dead_ranks}, now)
+                at.first_failure = at.as_failure(proc)
+        if verdict.loop is not None:
+            f = at.as_failure(procs[verdict.loop.slot])
+            logger.error("rank %s failed again at step %s with exit code %s: a crash "
+                         "loop, not a machine failure; stopping the job",
+                         f.rank, verdict.loop.step, f.exitcode)
+            at.gens.report_failure(f"rank {f.rank} crash loop at step {verdict.loop.step}",
+                                   final=True)
+            stop_workers(self.workers, signal.SIGTERM, self.config.shutdown_timeout)
+            raise StopJob(AttemptResult([f, *at.other_failures(f)], f), final=True)
+        self.recoverer.recover({e.rank: at.world.node for e in verdict.failures
+                                if e.rank is not None}, now)
 
     def _lost_spare(self, proc: Proc) -> None:
         """A spare (parked or still starting) died."""

@@ -129,9 +129,9 @@ def read_recoveries(run_dir: str, limit: int = channel.STATUS_MAX_RECOVERIES
 def _state(at: Attempt) -> str:
     if at.exiting:
         return "exiting"
-    if at.waiting or at.unplaced:
+    if at.pending.no_spare or at.unplaced:
         return "waiting for a spare"
-    if at.deferred:
+    if at.pending.no_backend:
         return "recovery deferred (backend unreachable)"
     if at.recovery is not None:
         return "recovering"

@@ -65,7 +65,7 @@ class Watchdog:
             if self.config.hang_timeout and now - at.started > self.policy.startup:
                 self.abort_if_quiet(at.quiet, self.config.hang_timeout)
             return
-        if at.exiting or at.waiting or at.deferred or at.unplaced:
+        if at.exiting or at.pending or at.unplaced:
             at.clock.reset(now)
             at.stragglers.reset()
             return

@@ -94,5 +94,4 @@ def spare_env(config: LaunchConfig, info: RendezvousInfo, device: int, restart_c
     for key in _RANK_VARS:
         env.pop(key, None)
     env["LOCAL_RANK"] = str(device)
-    env["TP_RUN_SPARE"] = "1"
-    return env
+    return env  # TP_RUN_SPARE=1 comes with the worker settings (tp_launch.worker_settings)

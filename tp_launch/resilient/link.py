@@ -22,6 +22,7 @@ import time
 
 from tp_launch import channel, progress
 from tp_launch.resilient import group
+from tp_launch.worker_settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -44,11 +45,9 @@ class AgentLink:
         threading.Thread(target=self._read, name="tp-agent-link", daemon=True).start()
 
     @classmethod
-    def from_env(cls) -> AgentLink | None:
-        path = os.environ.get(channel.ENV_SOCKET)
-        if not path:
-            return None
-        return cls(path, int(os.environ[channel.ENV_SLOT]), os.environ.get(channel.ENV_PROGRESS))
+    def connect(cls, settings: WorkerSettings) -> AgentLink:
+        """Connect to the agent that ``settings`` (this process's) name."""
+        return cls(settings.channel, settings.slot, settings.progress)
 
     def _read(self) -> None:
         reader = channel.LineReader()

@@ -36,7 +36,9 @@ initialises the group from the environment and calls ``train(state)`` once; the 
 are plain counters.
 
 The connection to the agent (announcements in, ``hello``/``resumed``/``stepped``/
-``finished``/``fatal`` out) is :class:`tp_launch.resilient.link.AgentLink`.
+``finished``/``fatal`` out) is :class:`tp_launch.resilient.link.AgentLink`. What the
+agent tells the process (its channel, slot, board, ``--verify-every`` ...) is read once,
+at :func:`run`, as a :class:`tp_launch.worker_settings.WorkerSettings`.
 """
 
 from __future__ import annotations
@@ -81,14 +83,12 @@ from tp_launch.resilient.transfer import (
     verify,
 )
 from tp_launch.resilient.wire import EncodeError, StateMessage, WireError, tensor_bytes
+from tp_launch.worker_settings import RECOVERY_WAIT_S, WorkerSettings, from_env
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# How long a rank whose collective failed waits for the agent's new generation before
-# it takes the error for the script's own (the agent announces within milliseconds).
-RECOVERY_WAIT_S = 60.0
 # How long a rank that reported a fatal condition waits to be stopped by its agent.
 _FATAL_WAIT_S = 30.0
 # No generation within this long after the hello: this process is parked (a spare, or a
@@ -100,10 +100,10 @@ _RECORD_BUFFERS_MAX = 16 << 20
 
 def parked_spares() -> int:
     """How many spares this node's agent has parked right now (0 without an agent)."""
-    path = os.environ.get(channel.ENV_SOCKET)
-    if not path:
+    settings = from_env()
+    if settings is None:
         return 0
-    status = control_files.read_status(path)
+    status = control_files.read_status(settings.channel)
     return 0 if status is None else len(status.parked_spares)
 
 
@@ -134,8 +134,8 @@ def run(train: Callable[[State], T], state: State, *, backend: str | None = None
         What ``train`` returned on this rank.
     """
     backend = backend or group.default_backend()
-    link = AgentLink.from_env()
-    if link is None:
+    settings = from_env()
+    if settings is None:
         if not dist.is_initialized():
             dist.init_process_group(backend, timeout=timeout)
         # As under an agent: the groups go before the interpreter finalizes (an HSDP
@@ -150,7 +150,7 @@ def run(train: Callable[[State], T], state: State, *, backend: str | None = None
     if dist.is_initialized():
         raise RuntimeError("tp_launch.resilient.run() builds the process group itself: "
                            "do not call dist.init_process_group() in a resilient script")
-    return _Runner(link, state, backend, timeout).loop(train)
+    return _Runner(AgentLink.connect(settings), settings, state, backend, timeout).loop(train)
 
 
 class _ResilientHooks(Hooks):
@@ -158,8 +158,7 @@ class _ResilientHooks(Hooks):
 
     def __init__(self, runner: _Runner) -> None:
         self.r = runner
-        every = os.environ.get(channel.ENV_VERIFY_EVERY, "")
-        self.verify_every = int(every) if every.isdigit() else 0
+        self.verify_every = runner.settings.verify_every
         self._verified = -1
         self.last_commit: float | None = None  # monotonic; None: none in this generation
 
@@ -199,7 +198,7 @@ class _ResilientHooks(Hooks):
 
 
 class _Runner:
-    def __init__(self, link: AgentLink, state: State, backend: str,
+    def __init__(self, link: AgentLink, settings: WorkerSettings, state: State, backend: str,
                  timeout: datetime.timedelta | None) -> None:
         # What exists now (torch's modules, the script's model) lives as long as the
         # process: out of the collector's sight, a full collection (one per recovery, in
@@ -208,6 +207,7 @@ class _Runner:
         # the meshes that matter, after this).
         gc.freeze()
         self.link = link
+        self.settings = settings
         self.state = state
         self.backend = backend
         self.timeout = timeout or datetime.timedelta(minutes=30)
@@ -216,20 +216,19 @@ class _Runner:
         self.layouts.install()
         self.carrier = Carrier.of(state, self.rollback, self.layouts)
         self.rank = -1
-        board = os.environ.get(channel.ENV_PROGRESS)
+        board = settings.progress
         self.record = _open_record(f"{board}.slot{link.slot}", create=True) if board else None
         # A rank process starts with the state it built (or loaded); a spare holds none.
-        state._holds = os.environ.get("TP_RUN_SPARE") != "1"
+        state.began(holding=not settings.spare)
         self.hooks = _ResilientHooks(self)
         state.hooks = self.hooks
         # State(build=...): whether this process built once; its committed state while
         # it holds no built objects (between two generations).
         self._built_once = False
         self._kept: StateMessage | None = None
-        every = os.environ.get(channel.ENV_SHARD_COPY_EVERY, "")
-        self.copies = BuddyCopies(int(every)) \
-            if every.isdigit() and int(every) > 0 and state.build is not None else None
-        if link.board is not None and os.environ.get(channel.ENV_HEARTBEAT) != "0":
+        every = settings.shard_copy_every
+        self.copies = BuddyCopies(every) if every > 0 and state.build is not None else None
+        if link.board is not None and settings.heartbeat:
             Heartbeat(link.board, link.slot)
 
     def _stage(self, gen: int, stage: Stage) -> None:
@@ -358,11 +357,11 @@ class _Runner:
         if not state.built:
             return
         self._kept = None
-        if state._holds:
+        if state.holds_committed:
             if rollback.restore():
                 self._kept = self.carrier.message()
             else:
-                state._holds = False
+                state.lost_commit()
         state.drop_built()
         rollback.rebind()
 
@@ -410,7 +409,7 @@ class _Runner:
     def _predecessor(self, gen: channel.NewGeneration) -> Callable[[int], per_rank.Entry | None]:
         """What the previous process of this rank left on this node, by step."""
         slot = gen.from_slot
-        board = os.environ.get(channel.ENV_PROGRESS)
+        board = self.settings.progress
 
         def at(step: int) -> per_rank.Entry | None:
             if not isinstance(slot, int) or not board:
@@ -452,11 +451,11 @@ class _Runner:
         try:
             if receiver and built:
                 got, self._kept = recv_pieces(pg, 0)
-                self.state._holds = True
+                self.state.took_committed()
                 return got
             if receiver:
                 got = recv_state(self.carrier, pg, 0)
-                self.state._holds = True
+                self.state.took_committed()
                 # The handed-over state is this process's restore point now: the
                 # agreement restores it (a node migration has no other holder of it).
                 self.rollback.refresh_layout()

@@ -38,6 +38,7 @@ without an agent it does nothing).
 from __future__ import annotations
 
 import contextlib
+import enum
 import hashlib
 import json
 import time
@@ -56,6 +57,27 @@ class GenerationChanged(Exception):
 
 class ResilientUsageError(RuntimeError):
     """The script uses the resilient API in a way that cannot be recovered exactly."""
+
+
+class Possession(enum.Enum):
+    """Whether this process holds the job's committed state (resilient mode).
+
+    To hold it is to be able to provide it to the other ranks: this process's objects,
+    position and generators are the last commit the job went on from, or can be rolled
+    back to it (:mod:`tp_launch.resilient.rollback`). In an agreement after a failure
+    (:mod:`tp_launch.resilient.agreement`) a rank that holds, and rolls back, offers its
+    committed step; any other offers none and receives.
+
+    * ``HOLDS``: a rank process that built or loaded its state when ``run()`` began, or
+      that received or adopted the state since (an agreement, buddy copies, a planned
+      migration's handoff). A survivor of a failure keeps holding while its rollback to
+      the commit can succeed.
+    * ``NOTHING``: a spare, promoted or parked, that has received nothing yet; a rank
+      whose commit could not be restored; a State outside ``run()``.
+    """
+
+    HOLDS = "holds"
+    NOTHING = "nothing"
 
 
 @dataclass
@@ -169,9 +191,8 @@ class State:
         self._replaying = False  # epochs() restored the pass's generators: batches() need not
         self._resume_rng: dict[str, Any] | None = None  # the committed ones, meanwhile
         self._broken: tuple[list[Callable[[], Any]], bool] | None = None
-        # Resilient mode: whether this process holds the job's committed state (a rank
-        # that built or received it; not a spare). The runtime and the transfer set it.
-        self._holds = False
+        # Resilient mode: set by the runtime and the transfer through the methods below.
+        self._possession = Possession.NOTHING
 
     def rebuild(self, gen: Generation) -> None:
         """Call ``build`` for generation ``gen``; what it returns replaces what it
@@ -195,6 +216,33 @@ class State:
         for name in self.built:
             del self.objects[name]
         self.built = set()
+
+    # ------------------------------------------------------------------ possession
+
+    @property
+    def possession(self) -> Possession:
+        """Whether this process holds the job's committed state (:class:`Possession`)."""
+        return self._possession
+
+    @property
+    def holds_committed(self) -> bool:
+        """``possession is Possession.HOLDS``."""
+        return self._possession is Possession.HOLDS
+
+    def began(self, holding: bool) -> None:
+        """``run()`` begins in this process: a rank process holds the state it built or
+        loaded (``holding``), a spare holds none."""
+        self._possession = Possession.HOLDS if holding else Possession.NOTHING
+
+    def took_committed(self) -> None:
+        """This process now holds the committed state: it received or adopted it, or
+        every rank agreed its own is the state (a fresh start)."""
+        self._possession = Possession.HOLDS
+
+    def lost_commit(self) -> None:
+        """This process cannot provide the committed state any more: its rollback to the
+        last commit failed."""
+        self._possession = Possession.NOTHING
 
     def __getattr__(self, name: str) -> Any:
         objects = self.__dict__.get("objects", {})

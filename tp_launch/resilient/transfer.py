@@ -1,23 +1,25 @@
-"""Agree on the committed state, then move it peer to peer, tensor by tensor, in place.
+"""Carry out the agreement after a failure: move the committed state peer to peer.
 
-After a new group is built every rank brings itself back to its last commit
-(:mod:`tp_launch.resilient.rollback`) and all-gathers what it holds: its committed
-step (-1: nothing, a promoted spare, or a rank whose commit cannot be restored) and a
-digest of its random generators. For replicated (data-parallel) state the highest
-committed step wins: the ranks at it are the donors, every other rank receives.
-Receivers are spread over the donors round-robin, so several newcomers are served in
-parallel by different donors.
+:func:`agree_and_transfer`, on every rank of a new generation's group, brings the rank
+back to its last commit (:mod:`tp_launch.resilient.rollback`), all-gathers every rank's
+:class:`~tp_launch.resilient.wire.Holding` row, lets
+:func:`tp_launch.resilient.agreement.decide` pick the state to go on from (the rule, and
+when the state is lost, are that module's), then performs the decision:
 
-* No rank holds a state in the job's first generation: a fresh start, every rank's own
-  state is the state (they must agree on the step: a checkpoint loaded by some ranks
-  only is an error). In any later generation it means every rank that held the state
-  died (or cannot roll back): :class:`StateLost`, never a silent start from scratch.
-* What is one rank's own (:mod:`tp_launch.resilient.per_rank`: random generators the
-  ranks seeded differently, module buffers between two forward passes) is told apart
-  by comparing the holders' digests of it. A receiver keeps its own (a survivor whose
-  last commit is the agreed step) or takes its predecessor's record on this node; if
-  neither is at the agreed step, the rank says so (a warning, ``inexact`` in the
-  recovery record).
+* a fresh start: record what is each rank's own (the generators seeded per rank; the
+  registered objects whose state differs between the ranks: one more gather) and refuse
+  what could not travel later (``State(per_rank=...)`` naming unknown objects, a module
+  keeping ``get_extra_state()``);
+* a transfer: the donors send, the receivers take; a receiver then puts back its own
+  generators and module buffers (:func:`_own_state`), from its own commit at the agreed
+  step or its predecessor's record on this node (:mod:`tp_launch.resilient.per_rank`),
+  else it says so (a warning, ``inexact`` in the recovery record); its own objects come
+  from its holder's buddy copy when there is one;
+* back to buddy copies (:mod:`tp_launch.resilient.copies`): a gather of the snapshots
+  picks the step; each rank takes its own snapshot of it or receives its holder's copy.
+
+Each ends with :func:`verify`: the ranks compare a digest of their replicated state (under
+HSDP, each shard's holders theirs); a difference is :class:`Diverged`.
 
 What a donor sends (:func:`send_state`, in :mod:`tp_launch.resilient.wire`'s format, no
 pickle): the position, ``extra``, every registered object's ``state_dict()``, the
@@ -25,10 +27,15 @@ random generators, which parameters had a gradient, the modules' training flags,
 the DDP bucket layouts (:mod:`tp_launch.resilient.ddp`). The receiver takes each tensor
 into its own where path, shape and dtype match (a model's parameters and buffers: in
 place, no copy), into a new one elsewhere (an optimizer's state on a fresh spare), then
-calls ``load_state_dict`` where it must.
+calls ``load_state_dict`` where it must. The same functions serve a planned migration's
+handoff, over a two-process group of the retiring rank and its replacement (any state,
+replicated or not).
 
-The same two functions serve a planned migration's handoff, over a two-process group
-of the retiring rank and its replacement (any state, replicated or not).
+Why one module of this size (over 550 lines): sending, receiving and adopting a state,
+the three ways of performing an agreement and the replicas' check all read and write the
+same :class:`Carrier`, and each path's collectives must run in the same order on every
+rank; split over modules, that order would no longer be read in one place. The decision,
+which has no collective, is apart (:mod:`tp_launch.resilient.agreement`).
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from tp_launch.resilient import per_rank, rng, sharding
+from tp_launch.resilient.agreement import Kind, StateLost, decide, donor_plan
 from tp_launch.resilient.copies import BuddyCopies, CopiesLost, copy_plan
 from tp_launch.resilient.ddp import Layouts
 from tp_launch.resilient.group import all_gather_flat
@@ -66,10 +74,6 @@ from tp_launch.resilient.wire import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-class StateLost(RuntimeError):
-    """No rank can provide the committed state exactly: the job must not go on."""
 
 
 class Diverged(RuntimeError):
@@ -298,7 +302,7 @@ def agree_and_transfer(carrier: Carrier, fresh: bool,
     pg = dist.distributed_c10d._get_default_group()
     state, rollback = carrier.state, carrier.rollback
     t0 = time.monotonic()
-    held = state._holds
+    held = state.holds_committed
     holds = fresh or (held and rollback.restore())
     own = rollback.rng if rollback.rng is not None else rng.capture()
     words = rng.digests(own)
@@ -316,17 +320,18 @@ def agree_and_transfer(carrier: Carrier, fresh: bool,
     gathered = torch.zeros(world * Holding.width(len(rng.GENERATORS)), dtype=torch.int64)
     all_gather_flat(gathered, mine.to_tensor())
     rows = Holding.rows(gathered, world)
-    steps = [r.step for r in rows]
-    top = max(steps)
+    built = state.build is not None
+    classes = sharding.copy_classes(state.modules, world) \
+        if not fresh and built and any(r.sharded for r in rows) else None
+    # Every rank decides alike, from the same rows: none waits in a collective another
+    # rank skips.
+    agreement = decide(rows, fresh=fresh, copies=copies is not None, built=built,
+                       classes=classes, example=sharded[0] if sharded else None)
+    top, plan = agreement.step, agreement.plan
     stats = TransferStats(step=top, agree_s=time.monotonic() - t0)
-    if fresh:
-        if len(set(steps)) > 1:
-            raise StateLost("the ranks start at different steps "
-                            f"({dict(enumerate(steps))}): load the same checkpoint everywhere")
+    if agreement.kind is Kind.FRESH:
         # Every rank is here: which generators were seeded differently is known now.
-        carrier.per_rank_generators = {
-            g for i, g in enumerate(rng.GENERATORS)
-            if len({row.generators[i] for row in rows}) > 1}
+        carrier.per_rank_generators = set(agreement.per_rank_generators)
         unknown = state.per_rank - set(state.objects)
         if unknown:
             raise ResilientUsageError(f"State(per_rank=...) names {sorted(unknown)}, which "
@@ -340,30 +345,12 @@ def agree_and_transfer(carrier: Carrier, fresh: bool,
                 "not carry: a newcomer would go on without it; keep it in buffers, or run "
                 "without --spares")
         carrier.per_rank_objects = _differing_objects(state, world) | state.per_rank
-        state._holds = True
+        state.took_committed()
         return stats
-    if any(r.sharded for r in rows) and state.build is None:
-        # Every rank decides alike (a newcomer's model is not sharded yet): none waits.
-        raise StateLost(sharding.not_recovered(max(r.sharded for r in rows),
-                                               sharded[0] if sharded else None))
-    if top < 0 and copies is None:
-        raise StateLost("no rank holds the training state any more (every rank that "
-                        "held it failed, or was cut off after its optimizer step)")
-    counts = {r.sharded for r in rows}
-    if len(counts) > 1:
-        raise StateLost(f"the ranks' built states differ: {sorted(counts)} sharded tensors "
-                        "(State(build=...) must build the same objects on every rank)")
-    classes = sharding.copy_classes(state.modules, world) if counts != {0} else None
-    try:
-        plan = donor_plan(steps, classes) if top >= 0 else None
-    except StateLost:
-        if copies is None:
-            raise
-        plan = None
-    if plan is None:  # every rank decides alike, from the same rows
+    if agreement.kind is Kind.FROM_COPIES:
         assert copies is not None
         return _back_to_copies(carrier, copies, stats, pg)
-    donors = [r for r, s in enumerate(steps) if s == top]
+    donors = list(agreement.donors)
     t1 = time.monotonic()
     if rank in plan:
         own_buffers = [b.clone() if b is not None else None
@@ -386,7 +373,7 @@ def agree_and_transfer(carrier: Carrier, fresh: bool,
             mine_at_top = predecessor(top)
         stats.inexact = _own_state(carrier, rows, donors, own, mine_at_top, from_copy)
     stats.transfer_s = time.monotonic() - t1
-    state._holds = True
+    state.took_committed()
     if plan:
         logger.info("rank %s: state at step %s %s (%d bytes, %.3f s)", rank, top,
                     f"received from rank {plan[rank]}" if rank in plan else "sent",
@@ -449,7 +436,7 @@ def _back_to_copies(carrier: Carrier, copies: BuddyCopies, stats: TransferStats,
     if serving is not None:
         stats.bytes += serving.result()
     stats.transfer_s = time.monotonic() - t1
-    carrier.state._holds = True
+    carrier.state.took_committed()
     logger.info("rank %s: back to step %s from buddy copies (%s, %d bytes, %.3f s)", rank,
                 step, f"received from rank {plan[rank]}" if rank in plan else "its own",
                 stats.bytes, stats.transfer_s)
@@ -517,38 +504,6 @@ class _Background:
         if self._error is not None:
             raise self._error
         return self._result
-
-
-def donor_plan(steps: Sequence[int], classes: Sequence[Any] | None = None) -> dict[int, int]:
-    """Receiver -> donor. The ranks at the highest step are the donors; a receiver is
-    served by a donor of its copy class (``classes[r]``: the ranks holding the same
-    pieces of sharded state; None: all state replicated), round-robin within the class,
-    so that several newcomers are served in parallel by different donors.
-
-    Raises:
-        StateLost: a receiver's pieces are held by no donor (plain FSDP keeps one copy;
-            under HSDP every replica of that shard was lost).
-    """
-    top = max(steps)
-    donors = [r for r, s in enumerate(steps) if s == top]
-    plan: dict[int, int] = {}
-    served: dict[Any, int] = {}
-    orphans = []
-    for r, s in enumerate(steps):
-        if s == top:
-            continue
-        key = None if classes is None else classes[r]
-        mine = [d for d in donors if classes is None or classes[d] == key]
-        if not mine:
-            orphans.append(r)
-            continue
-        plan[r] = mine[served.get(key, 0) % len(mine)]
-        served[key] = served.get(key, 0) + 1
-    if orphans:
-        raise StateLost(f"the sharded state of rank(s) {orphans} is held by no surviving "
-                        "rank (plain FSDP keeps one copy of each shard; HSDP lost every "
-                        "replica of it)")
-    return plan
 
 
 def buffers_digest(buffers: Sequence[torch.Tensor | None]) -> int:
