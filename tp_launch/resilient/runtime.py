@@ -39,6 +39,12 @@ The connection to the agent (announcements in, ``hello``/``resumed``/``stepped``
 ``finished``/``fatal`` out) is :class:`tp_launch.resilient.link.AgentLink`. What the
 agent tells the process (its channel, slot, board, ``--verify-every`` ...) is read once,
 at :func:`run`, as a :class:`tp_launch.worker_settings.WorkerSettings`.
+
+One module of this size (over 500 lines) on purpose: it is the one loop of a worker
+process (park, enter a generation, train, recover, retire, hand off), whose steps share
+the process's group, link and restore point; every decision inside it is another
+module's (the agreement: :mod:`tp_launch.resilient.agreement`; what a commit records:
+:mod:`tp_launch.resilient.rollback`; the group: :mod:`tp_launch.resilient.group`).
 """
 
 from __future__ import annotations

@@ -33,6 +33,12 @@ A phase that runs much longer than a step (an evaluation, a checkpoint save) is 
 ``with state.long_phase(seconds):`` so that the agent's hang detection gives it that
 budget instead of taking it for a hang (the agent reads the mark on the progress board;
 without an agent it does nothing).
+
+One module of this size (over 500 lines) on purpose: it is the whole of what a script
+touches (the registration, the three loops, the commit and its callbacks, the position
+that travels) and the loops share the commit's bookkeeping; split, a script's author
+would read three modules to learn one contract. What happens at a commit under an agent
+is not here (:class:`Hooks`, implemented by :mod:`tp_launch.resilient.runtime`).
 """
 
 from __future__ import annotations
