@@ -29,7 +29,9 @@ FIELDS = ("wall_s", "train_s", "over_reference_s", "lost_per_failure_s", "steps_
           "step_overhead", "params_equal", "kills", "timeline")
 
 
-@pytest.mark.slow
+# The benchmark harness end to end (every strategy, 90 s on two cores): a check of the
+# tool, run on demand with the matrix (pytest --matrix), not of tp-run itself.
+@pytest.mark.matrix
 def test_quick_run(test_env, tmp_path):
     out = tmp_path / "results"
     proc = subprocess.run([sys.executable, str(BENCH / "bench.py"), "--quick", "--out", str(out)],

@@ -43,7 +43,9 @@ def plain_env(env: dict[str, str]) -> dict[str, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", ["fail", "restart"])
+# The decision (state lost -> policy) is tests/test_agent_decisions.py's and
+# test_recovery_sequences.py's; a restart's real run: test_resilient.py's no-spare case.
+@pytest.mark.parametrize("policy", ["fail", pytest.param("restart", marks=pytest.mark.matrix)])
 def test_every_holder_dying_at_once_is_not_a_fresh_start(workdir, test_env, policy):
     proc, out = launch(TP_RUN, workdir, test_env, "out",
                        ["--nproc-per-node", "2", "--spares", "2", "--spare-policy", policy,

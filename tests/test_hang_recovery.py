@@ -55,7 +55,9 @@ def _hang_recovered(proc, out, log_dir, ref: str, rank: int, world: int) -> dict
     return event
 
 
-@pytest.mark.parametrize("where", [pytest.param("forward", marks=pytest.mark.slow), "allreduce",
+# A stop in the forward pass is the same verdict as one in the all-reduce (the rank is
+# behind its peers on the board): in the matrix.
+@pytest.mark.parametrize("where", [pytest.param("forward", marks=pytest.mark.matrix), "allreduce",
                                    pytest.param("optimizer", marks=pytest.mark.slow)])
 def test_stopped_rank_is_killed_and_replaced(workdir, test_env, reference, where):
     log_dir = workdir / "logs"
@@ -186,7 +188,9 @@ def test_culprit_alone_on_its_node_is_found_across_nodes(workdir, test_env, etcd
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", ["restart", "fail"])
+# The policy is a decision (tests/test_recovery_sequences.py: fail, restart, wait); a
+# restart's real run: test_resilient.py::test_no_spare_left[restart].
+@pytest.mark.parametrize("policy", [pytest.param("restart", marks=pytest.mark.matrix), "fail"])
 def test_hang_everywhere_goes_to_the_spare_policy(workdir, test_env, reference, policy):
     """Every rank deadlocks at the same point (beating, none behind): no culprit. After
     twice the limit: one line, then --spare-policy: restart every worker (from the

@@ -129,10 +129,22 @@ def check_exact(proc: subprocess.CompletedProcess, out: Path, ref: Path, world: 
     assert "inexact" not in proc.stderr and "died with its previous process" not in proc.stderr
 
 
+def _tier(style: str, world: int, spares: int) -> tuple[pytest.MarkDecorator, ...]:
+    """Every style once in CI, at 2 ranks with 1 spare (every kill point of the style;
+    the replacement spare must park before the next kill), and once 4 ranks with 2
+    spares (two newcomers served at once by different donors). The other combinations
+    differ only in decisions the unit tier covers (how many spares, which donor, one
+    failure or two per tick): the matrix (``pytest --matrix``)."""
+    if (style, world, spares) == ("basic", 2, 1):
+        return ()
+    if world == 2 and spares == 1 or (style, world, spares) == ("basic", 4, 2):
+        return (pytest.mark.slow,)
+    return (pytest.mark.matrix,)
+
+
 @pytest.mark.parametrize(
     "style,world,spares,faults",
-    [pytest.param(*c, id=f"{c[0]}-{c[1]}ranks-{c[2]}spares",
-                  marks=() if (c[0], c[1]) == ("basic", 2) else pytest.mark.slow)
+    [pytest.param(*c, id=f"{c[0]}-{c[1]}ranks-{c[2]}spares", marks=_tier(*c[:3]))
      for c in CASES])
 def test_loop_is_exact_through_failures(workdir, test_env, references, style, world, spares,
                                         faults):

@@ -98,8 +98,10 @@ def check_completed(proc: subprocess.CompletedProcess, out: Path, reference: str
 
 
 # The inner loop (-m "not slow") keeps one of the three: a kill inside the all-reduce.
-@pytest.mark.parametrize("where", [pytest.param("forward", marks=pytest.mark.slow), "allreduce",
-                                   pytest.param("after-step", marks=pytest.mark.slow)])
+# Every kill point runs in CI through tests/test_loops.py (each loop style, each phase);
+# here the all-reduce, the rest in the matrix.
+@pytest.mark.parametrize("where", [pytest.param("forward", marks=pytest.mark.matrix), "allreduce",
+                                   pytest.param("after-step", marks=pytest.mark.matrix)])
 def test_sigkill_one_rank(workdir, test_env, reference, where):
     log_dir = workdir / "logs"
     proc, out = launch(workdir, test_env, ["--nproc-per-node", "4", "--spares", "1",
@@ -114,14 +116,16 @@ def test_sigkill_one_rank(workdir, test_env, reference, where):
     assert "tp-run: failure: rank(s) [2]" in proc.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.matrix  # which rank dies is no path of its own (test_agent_decisions.py)
 def test_kill_rank_zero(workdir, test_env, reference):
     proc, out = launch(workdir, test_env, ["--nproc-per-node", "4", "--spares", "1"],
                        ["--kill", "0:5:after-step"])
     check_completed(proc, out, reference, {0})
 
 
-@pytest.mark.slow
+# Failures one after another, each on the replacement spare: tests/test_loops.py (five
+# kills per job); the decisions: tests/test_recovery_sequences.py.
+@pytest.mark.matrix
 def test_two_failures_in_one_run(workdir, test_env, reference):
     proc, out = launch(workdir, test_env, ["--nproc-per-node", "4", "--spares", "1"],
                        ["--kill", "1:4:forward,3:14:allreduce"])
@@ -129,7 +133,9 @@ def test_two_failures_in_one_run(workdir, test_env, reference):
     assert proc.stderr.count("tp-run: failure:") == 2
 
 
-@pytest.mark.slow
+# Two ranks at once: tests/test_loops.py's basic 4-rank case (two kills at step 0); one
+# generation for both: test_recovery_sequences.py.
+@pytest.mark.matrix
 def test_two_ranks_at_once_two_spares(workdir, test_env, reference):
     proc, out = launch(workdir, test_env, ["--nproc-per-node", "4", "--spares", "2"],
                        ["--kill", "1:6:forward,2:6:forward", "--parked", "2"])
@@ -254,7 +260,9 @@ def test_migrate_bad_requests(workdir, test_env):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", ["fail", "restart", "wait"])
+# fail: a decision (test_recovery_sequences.py); restart and wait run for real here.
+@pytest.mark.parametrize("policy", [pytest.param("fail", marks=pytest.mark.matrix), "restart",
+                                    "wait"])
 def test_no_spare_left(workdir, test_env, reference, policy):
     """Two ranks die at once with one spare parked. (LOGLEVEL=INFO: restarts are logged
     at INFO, as torchrun logs them.)"""
@@ -367,7 +375,8 @@ def test_a_module_with_extra_state_is_one_line_under_spares(workdir, test_env):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", ["fail", "restart"])
+# The backoff is the path; the policy after it a decision (test_recovery_sequences.py).
+@pytest.mark.parametrize("policy", ["fail", pytest.param("restart", marks=pytest.mark.matrix)])
 def test_spare_that_cannot_start_backs_off(workdir, test_env, policy):
     """The script reads RANK at import, so every spare exits 1 there: one error line with
     the spare's error (its traceback stays in its log), new spares with a growing delay,
@@ -556,7 +565,9 @@ def all_held(out: Path) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spares_on", ["spare node", "surviving node"])
+# Where the lost node's ranks go is placement_order's (tests/test_agent_decisions.py).
+@pytest.mark.parametrize("spares_on", ["spare node",
+                                       pytest.param("surviving node", marks=pytest.mark.matrix)])
 def test_node_loss_moves_its_ranks_to_spares(workdir, test_env, reference, etcd_server,
                                              spares_on):
     """etcd, --nnodes 2: two agents x 2 ranks. SIGKILL one agent mid-run: its two ranks

@@ -87,7 +87,8 @@ def hsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.mark.parametrize("where, rank, step", [
     ("forward", 1, 6),
-    pytest.param("backward", 2, 6, marks=pytest.mark.slow),  # FSDP reduce-scattering
+    # A kill in FSDP's reduce-scatter: plain FSDP's case below runs it in CI.
+    pytest.param("backward", 2, 6, marks=pytest.mark.matrix),
     pytest.param("optimizer", 3, 7, marks=pytest.mark.slow),  # past the point of no return
 ])
 def test_hsdp_rank_comes_back_from_its_replica(workdir, test_env, hsdp_reference, where,
@@ -104,7 +105,9 @@ def test_hsdp_rank_comes_back_from_its_replica(workdir, test_env, hsdp_reference
     assert {f["first"] for f in results} == {step}
 
 
-@pytest.mark.slow
+# Each receiver served by a donor of its own copy class: tests/test_agreement.py; two
+# newcomers at once: tests/test_loops.py's 4-rank case.
+@pytest.mark.matrix
 def test_hsdp_two_ranks_of_different_replica_groups(workdir, test_env, hsdp_reference):
     """Ranks 1 and 2 die at once (different shards, different replica groups): each is
     served by its own replica peer, in parallel."""
@@ -116,7 +119,8 @@ def test_hsdp_two_ranks_of_different_replica_groups(workdir, test_env, hsdp_refe
 
 @pytest.mark.parametrize("world, script_args, kill", [
     (2, ["--build"], "1"),  # plain FSDP: one copy of each shard
-    pytest.param(4, HSDP, "1,3", marks=pytest.mark.slow),  # both replicas of shard 1
+    # Both replicas of shard 1: the same rule (tests/test_agreement.py), in the matrix.
+    pytest.param(4, HSDP, "1,3", marks=pytest.mark.matrix),
 ])
 def test_a_shard_no_survivor_holds_goes_to_the_spare_policy(workdir, test_env, world,
                                                              script_args, kill):
@@ -219,7 +223,7 @@ def titan_like_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.mark.parametrize("where", [
     "forward",  # the survivor's root parameters are unsharded
-    pytest.param("backward", marks=pytest.mark.slow),
+    pytest.param("backward", marks=pytest.mark.matrix),  # the save hook is the path, not where
 ])
 def test_model_saved_through_a_collective_with_an_unsharded_root(workdir, test_env,
                                                                  titan_like_reference, where):
@@ -376,7 +380,7 @@ def said_sharded(stderr: str) -> list[str]:
             if line.startswith("tp-run: error:") and "sharded tensor" in line]
 
 
-@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("rank", [0, pytest.param(1, marks=pytest.mark.matrix)])
 def test_killed_sharded_rank_restarts_from_the_checkpoint(workdir, test_env, reference, rank):
     """A rank dies in step 6 (checkpoint at step 4) with a spare parked: one line says the
     sharded state is not recovered peer to peer, every worker restarts (the spare is not

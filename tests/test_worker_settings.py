@@ -38,6 +38,7 @@ def test_names_are_the_interface():
         "TP_RUN_SHARD_COPY_EVERY": "5",
         "TP_RUN_HEARTBEAT": "0",
         "TP_RUN_SPARE": "1",
+        "TP_RUN_RECOVERY_WAIT_S": "60.0",
     }
     # A rank's: every variable written, so nothing the agent inherited leaks through.
     rank = WorkerSettings(channel="/s", slot=0).to_env()
@@ -88,6 +89,11 @@ BASE = {"TP_RUN_CHANNEL": "/s", "TP_RUN_SLOT": "1"}
     ("TP_RUN_SPARE", "true"),
     ("TP_RUN_SPARE", "1\nRANK=0"),
     ("TP_RUN_SETTINGS_VERSION", "one"),
+    ("TP_RUN_RECOVERY_WAIT_S", "soon"),
+    ("TP_RUN_RECOVERY_WAIT_S", "0"),
+    ("TP_RUN_RECOVERY_WAIT_S", "-5"),
+    ("TP_RUN_RECOVERY_WAIT_S", "inf"),
+    ("TP_RUN_RECOVERY_WAIT_S", "nan"),
 ])
 def test_malformed_value_is_one_line_naming_the_variable(name, value):
     with pytest.raises(SettingsError) as e:
@@ -114,6 +120,16 @@ def test_version_mismatch():
         from_env({**BASE, "TP_RUN_SETTINGS_VERSION": "0"})
 
 
+def test_the_recovery_wait_is_one_setting_for_agent_and_worker():
+    """The agent reads it from its own environment and hands the same value on."""
+    assert ws.recovery_wait_from({}) == ws.RECOVERY_WAIT_S == 60.0
+    assert ws.recovery_wait_from({"TP_RUN_RECOVERY_WAIT_S": "7.5"}) == 7.5
+    got = from_env({**BASE, "TP_RUN_RECOVERY_WAIT_S": "7.5"})
+    assert got is not None and got.recovery_wait_s == 7.5
+    assert from_env(WorkerSettings("/s", 0, recovery_wait_s=7.5).to_env()) == \
+        WorkerSettings("/s", 0, recovery_wait_s=7.5)
+
+
 def test_absent_version_is_version_1():
     assert ws.VERSION == 1  # bump: decide what an absent version means then
     assert from_env(BASE) == WorkerSettings(channel="/s", slot=1)
@@ -125,6 +141,7 @@ def test_absent_version_is_version_1():
     ({"channel": "/s", "slot": True}, "TP_RUN_SLOT"),
     ({"channel": "/s", "slot": 0, "verify_every": -1}, "TP_RUN_VERIFY_EVERY"),
     ({"channel": "/s", "slot": 0, "shard_copy_every": 2.0}, "TP_RUN_SHARD_COPY_EVERY"),
+    ({"channel": "/s", "slot": 0, "recovery_wait_s": 0.0}, "TP_RUN_RECOVERY_WAIT_S"),
 ])
 def test_the_agent_cannot_build_a_bad_record(kwargs, name):
     with pytest.raises(SettingsError, match=f"^{name}"):

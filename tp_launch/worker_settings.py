@@ -39,6 +39,12 @@ when there is no board.
 ``TP_RUN_SPARE`` (:data:`ENV_SPARE`)
     ``1``: the process starts as a parked spare (no ``RANK``, holds no state); ``0``: it
     starts as a rank. Default 0.
+``TP_RUN_RECOVERY_WAIT_S`` (:data:`ENV_RECOVERY_WAIT`)
+    How long a rank whose collective failed waits for the next generation, seconds (a
+    positive number). Default :data:`RECOVERY_WAIT_S`. Also read by the agent from its own
+    environment (:func:`recovery_wait_from`): set it there to change both sides at once
+    (keep it above the rendezvous lease TTL; the tests shorten it to prove the outage
+    paths in seconds).
 
 Any other value (a slot that is not a non-negative integer, ``TP_RUN_HEARTBEAT=yes``, a
 version this module does not know) is a :class:`SettingsError`: one line naming the
@@ -69,6 +75,7 @@ ENV_VERIFY_EVERY = "TP_RUN_VERIFY_EVERY"
 ENV_SHARD_COPY_EVERY = "TP_RUN_SHARD_COPY_EVERY"
 ENV_HEARTBEAT = "TP_RUN_HEARTBEAT"
 ENV_SPARE = "TP_RUN_SPARE"
+ENV_RECOVERY_WAIT = "TP_RUN_RECOVERY_WAIT_S"
 
 _COUNT = re.compile(r"[0-9]+")  # ASCII only: str.isdigit() takes "²", which int() refuses
 _FLAGS = {"0": False, "1": True}
@@ -92,6 +99,8 @@ class WorkerSettings:
         shard_copy_every: buddy copies every N commits; 0: none.
         heartbeat: whether the worker beats on the progress board.
         spare: whether the process starts as a parked spare.
+        recovery_wait_s: how long a rank waits for the next generation after a failed
+            collective.
         version: the record's format (:data:`VERSION`).
     """
 
@@ -102,6 +111,7 @@ class WorkerSettings:
     shard_copy_every: int = 0
     heartbeat: bool = True
     spare: bool = False
+    recovery_wait_s: float = RECOVERY_WAIT_S
     version: int = VERSION
 
     def __post_init__(self) -> None:
@@ -111,6 +121,11 @@ class WorkerSettings:
                             (ENV_SHARD_COPY_EVERY, self.shard_copy_every)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise SettingsError(f"{name}={value!r}: not an integer >= 0")
+        wait = self.recovery_wait_s
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or \
+                not 0 < wait < float("inf"):
+            raise SettingsError(f"{ENV_RECOVERY_WAIT}={wait!r}: not a positive number of "
+                                "seconds")
 
     def to_env(self) -> dict[str, str]:
         """The variables that carry this record (every one, defaults included; the board
@@ -123,6 +138,7 @@ class WorkerSettings:
             ENV_SHARD_COPY_EVERY: str(self.shard_copy_every),
             ENV_HEARTBEAT: "1" if self.heartbeat else "0",
             ENV_SPARE: "1" if self.spare else "0",
+            ENV_RECOVERY_WAIT: repr(float(self.recovery_wait_s)),
         }
         if self.progress:
             env[ENV_PROGRESS] = self.progress
@@ -160,8 +176,29 @@ def from_env(environ: Mapping[str, str] | None = None) -> WorkerSettings | None:
         shard_copy_every=_count(env, ENV_SHARD_COPY_EVERY, default=0),
         heartbeat=_flag(env, ENV_HEARTBEAT, default=True),
         spare=_flag(env, ENV_SPARE, default=False),
+        recovery_wait_s=recovery_wait_from(env),
         version=version,
     )
+
+
+def recovery_wait_from(environ: Mapping[str, str] | None = None) -> float:
+    """``TP_RUN_RECOVERY_WAIT_S`` from ``environ`` (default: :data:`os.environ`), or
+    :data:`RECOVERY_WAIT_S` when it is absent or empty.
+
+    Raises:
+        SettingsError: not a positive, finite number.
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get(ENV_RECOVERY_WAIT)
+    if not raw:
+        return RECOVERY_WAIT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise SettingsError(f"{ENV_RECOVERY_WAIT}={raw!r}: not a positive number of seconds")
+    return value
 
 
 def _count(env: Mapping[str, str], name: str, default: int) -> int:

@@ -145,11 +145,12 @@ class ExitVerdict:
     loop: Exit | None = None  # the failure that makes it a crash loop
 
 
-def backend_to_blame(outage_s: float, since_outage_s: float) -> bool:
+def backend_to_blame(outage_s: float, since_outage_s: float,
+                     wait_s: float = RECOVERY_WAIT_S) -> bool:
     """Ranks may have waited for a generation only the unreachable backend could bring,
-    and given up (after :data:`RECOVERY_WAIT_S`): their errors say nothing about the
-    script while the backend is, or lately was, unreachable."""
-    return outage_s > 0 or since_outage_s < RECOVERY_WAIT_S + 5
+    and given up (after ``wait_s``, the ranks' recovery wait): their errors say nothing
+    about the script while the backend is, or lately was, unreachable."""
+    return outage_s > 0 or since_outage_s < wait_s + 5
 
 
 def judge_exits(exits: Sequence[Exit], resilient: bool, phase: Phase,

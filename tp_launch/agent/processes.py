@@ -28,7 +28,7 @@ from tp_launch.agent.worker_env import spare_env, worker_argv, worker_env
 from tp_launch.config import ConfigError, LaunchConfig
 from tp_launch.procs.logs import LogLayout, RankLogs, SpareOutput
 from tp_launch.procs.worker import WorkerProcess, signal_main_thread, stop_workers
-from tp_launch.worker_settings import WorkerSettings
+from tp_launch.worker_settings import SettingsError, WorkerSettings, recovery_wait_from
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,10 @@ class Processes:
         self.opted_in = False
         self._restarts = SpareRestarts()
         self._said_unused = False
+        try:  # the ranks' wait for a generation, which this agent's decisions allow for
+            self.recovery_wait_s = recovery_wait_from()
+        except SettingsError as e:
+            raise ConfigError(str(e)) from None
 
     def spawn(self, at: Attempt, slot: int, rl: RankLogs, spare: bool = False) -> Proc:
         """Start a rank (its slot is its local rank) or a spare in ``slot``."""
@@ -71,7 +75,7 @@ class Processes:
             verify_every=cfg.verify_every, shard_copy_every=cfg.shard_copy_every,
             # Without hang or straggler detection nobody reads the heartbeat.
             heartbeat=bool(cfg.hang_timeout_for(resilient=True) or cfg.straggler_factor),
-            spare=spare).to_env())
+            spare=spare, recovery_wait_s=self.recovery_wait_s).to_env())
         argv = worker_argv(cfg, device)
         try:
             worker = WorkerProcess(argv, env, rl.stdout, rl.stderr, device, piped=spare)

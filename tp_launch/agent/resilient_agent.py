@@ -306,7 +306,8 @@ class ResilientAgent(NodeAgent):
         now = time.time()
         exits = [Exit(p.slot, at.slot_rank(p.slot), p.worker.returncode or 0, p.hello,
                       p.slot in at.retired, at.board.read(p.slot)) for p in exited]
-        blame = backend_to_blame(at.gens.outage_s(), time.monotonic() - at.outage_seen)
+        blame = backend_to_blame(at.gens.outage_s(), time.monotonic() - at.outage_seen,
+                                 self.processes.recovery_wait_s)
         verdict = judge_exits(exits, at.resilient, at.phase, blame, at.crash)
         procs = {p.slot: p for p in exited}
         for e in verdict.spares_lost:

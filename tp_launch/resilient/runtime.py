@@ -300,10 +300,11 @@ class _Runner:
             self.layouts.abandon()
             self._release_built()
             group.teardown()
-            announced = link.wait(RECOVERY_WAIT_S)
+            wait_s = self.settings.recovery_wait_s
+            announced = link.wait(wait_s)
             if announced is None:
                 raise RuntimeError(f"no new generation came from the agent within "
-                                   f"{RECOVERY_WAIT_S:.0f} s after this rank's training "
+                                   f"{wait_s:.0f} s after this rank's training "
                                    f"stopped ({cause})")
 
     def _enter(self, gen: channel.NewGeneration) -> None:
