@@ -21,23 +21,6 @@ from typing import Iterator
 import psutil
 import pytest
 
-# Under pytest-xdist (the README's test command runs two workers, a module per worker at a
-# time), each worker gets a temp directory of its own, made like /tmp (world-writable,
-# sticky) and used for everything it runs: a job's control directory, which `tp-run
-# migrate` and `tp-run status` look through, is then never another worker's job's, and
-# the tests that check what is left in the temp directory see only their own worker's.
-# Set at import, before any test module reads tempfile.gettempdir().
-if os.environ.get("PYTEST_XDIST_WORKER") and not os.environ.get("TP_TEST_WORKER_TMP"):
-    import atexit
-    import tempfile
-
-    _worker_tmp = tempfile.mkdtemp(prefix=f"tp-run-tests-{os.environ['PYTEST_XDIST_WORKER']}-")
-    os.chmod(_worker_tmp, 0o1777)
-    os.environ["TMPDIR"] = os.environ["TP_TEST_WORKER_TMP"] = _worker_tmp
-    os.environ.pop("XDG_RUNTIME_DIR", None)
-    tempfile.tempdir = None  # computed again from TMPDIR
-    atexit.register(shutil.rmtree, _worker_tmp, True)
-
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 TP_RUN = [sys.executable, "-m", "tp_launch"]
@@ -216,19 +199,7 @@ def _matrix_wanted(config: pytest.Config) -> bool:
     return bool(config.getoption("--matrix") or os.environ.get("TP_RUN_MATRIX") == "1")
 
 
-# The longest modules first (their CI minutes, two cores, as measured), so that the
-# workers of `-n 2 --dist loadfile` end together instead of one waiting on a long module
-# handed out last. The order within a module stays as written.
-_MODULE_MINUTES = {
-    "test_sharded.py": 6.0, "test_resilient.py": 5.5, "test_etcd_outages.py": 5.0,
-    "test_loops.py": 3.8, "test_hang_recovery.py": 3.3, "test_exactness.py": 1.8,
-    "test_rendezvous_e2e.py": 1.8, "test_advance.py": 1.5, "test_failures.py": 1.4,
-    "test_conformance.py": 1.0,
-}
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: -_MODULE_MINUTES.get(item.path.name, 0.0))
     if _matrix_wanted(config):
         return
     skip = pytest.mark.skip(reason="the combinatorial matrix: run with --matrix")

@@ -32,7 +32,7 @@ one in flight is whole on every holder. (Skipped rank by rank, as at first, a lo
 machine left ranks with snapshots of different steps and no step every rank could go
 back to.)
 
-After a failure the agreement (:mod:`tp_launch.resilient.transfer`) first tries to
+After a failure the agreement (:mod:`tp_launch.resilient.agreement`) first tries to
 recover at the same step from live holders of every piece (replicated state, HSDP's
 replica peers). Only when some rank's pieces are held by no survivor does every rank
 gather a :class:`CopyRow`, and :func:`copy_plan` picks the latest snapshot step T that

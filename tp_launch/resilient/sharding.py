@@ -9,7 +9,7 @@ Two facts shape its recovery:
   mesh, ``Replicate`` x ``Shard``) the ranks with the same shard coordinate in the other
   replica groups hold it identically. :func:`copy_classes` gives each rank the key of
   the ranks holding its pieces (its coordinates along the sharded mesh dimensions);
-  :func:`tp_launch.resilient.transfer.donor_plan` serves a receiver only from a donor of
+  :func:`tp_launch.resilient.agreement.donor_plan` serves a receiver only from a donor of
   its class, and a receiver with none is :class:`StateLost` (``--spare-policy``).
 - **It is bound to its mesh's process groups.** Any DTensor operation that is not purely
   local (``torch.cat`` of two of them, ``.contiguous()``, a redistribution) runs a
