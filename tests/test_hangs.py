@@ -111,6 +111,20 @@ def test_a_rank_behind_most_of_the_time_is_a_straggler_once_per_window():
     assert "about 5.0x" in found[0][1].evidence or "about 4." in found[0][1].evidence
 
 
+def test_a_straggler_found_before_a_spare_parked_is_named_when_one_parks():
+    """Before any spare parks nothing is named (a migration would be refused) and the
+    samples are kept: the verdict comes at the first sample with a spare, not a whole
+    window later (a short job would end first)."""
+    st = Stragglers(factor=2.0, window_s=10.0, min_steps=10, min_samples=20)
+    for i in range(150):  # 15 s, rank 2 behind 80% of the samples, no spare parked
+        seqs = {0: i, 1: i, 2: i - 1 if i % 5 else i, 3: i}
+        assert st.observe(i * 0.1, {r: mark(seq=q, step=i // 2) for r, q in seqs.items()},
+                          can_act=False) is None
+    s = st.observe(15.0, {0: mark(seq=150, step=75), 1: mark(seq=150, step=75),
+                          2: mark(seq=149, step=75), 3: mark(seq=150, step=75)})
+    assert s is not None and s.rank == 2
+
+
 def test_healthy_ranks_taking_turns_and_short_slowdowns_are_not_stragglers():
     st = Stragglers(factor=2.0, window_s=10.0)
     for i in range(300):  # whoever is behind changes every sample

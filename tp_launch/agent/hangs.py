@@ -274,8 +274,12 @@ class Stragglers:
     def reset(self) -> None:
         self._samples.clear()
 
-    def observe(self, now: float, marks: dict[int, Mark]) -> Straggler | None:
-        """One sample of this node's ranks (rank -> mark); a straggler, or None."""
+    def observe(self, now: float, marks: dict[int, Mark],
+                can_act: bool = True) -> Straggler | None:
+        """One sample of this node's ranks (rank -> mark); a straggler, or None.
+        ``can_act``: a verdict can be acted on now (a spare is parked); while not, the
+        samples are kept and nobody is named, so that a straggler found before the
+        first spare parked moves as soon as one does instead of a window later."""
         if self.factor <= 1.0:
             return None
         training = {r: m for r, m in marks.items() if m.stage == Stage.TRAINING}
@@ -290,7 +294,7 @@ class Stragglers:
         while self._samples and now - self._samples[0][0] > self.window_s:
             self._samples.popleft()
         first_t, first_step, _, ranks = self._samples[0]
-        if now - first_t < 0.9 * self.window_s or len(self._samples) < self.min_samples \
+        if not can_act or now - first_t < 0.9 * self.window_s or len(self._samples) < self.min_samples \
                 or step - first_step < self.min_steps \
                 or any(s[3] != ranks for s in self._samples):
             return None

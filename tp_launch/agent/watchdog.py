@@ -91,7 +91,7 @@ class Watchdog:
             at.clock.reset(now)  # one verdict per limit
             self._on_hang(at, recoverer, verdict)
             return
-        straggler = at.stragglers.observe(now, marks)
+        straggler = at.stragglers.observe(now, marks, can_act=bool(at.world.parked))
         if straggler is not None:
             logger.warning("straggler: %s; migrating it to a spare", straggler.evidence)
             reply = recoverer.migrate(straggler.rank, evidence=straggler.evidence)
