@@ -21,6 +21,23 @@ from typing import Iterator
 import psutil
 import pytest
 
+# Under pytest-xdist (the README's test command runs two workers, one per lane: see
+# "the lanes" below), each worker gets a temp directory of its own, made like /tmp
+# (world-writable, sticky) and used for everything it runs: a job's control directory,
+# which `tp-run migrate` and `tp-run status` look through, is then never the other
+# worker's job's, and the tests that check what is left in the temp directory see only
+# their own worker's. Set at import, before any test module reads tempfile.gettempdir().
+if os.environ.get("PYTEST_XDIST_WORKER") and not os.environ.get("TP_TEST_WORKER_TMP"):
+    import atexit
+    import tempfile
+
+    _worker_tmp = tempfile.mkdtemp(prefix=f"tp-run-tests-{os.environ['PYTEST_XDIST_WORKER']}-")
+    os.chmod(_worker_tmp, 0o1777)
+    os.environ["TMPDIR"] = os.environ["TP_TEST_WORKER_TMP"] = _worker_tmp
+    os.environ.pop("XDG_RUNTIME_DIR", None)
+    tempfile.tempdir = None  # computed again from TMPDIR
+    atexit.register(shutil.rmtree, _worker_tmp, True)
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 TP_RUN = [sys.executable, "-m", "tp_launch"]
@@ -199,7 +216,32 @@ def _matrix_wanted(config: pytest.Config) -> bool:
     return bool(config.getoption("--matrix") or os.environ.get("TP_RUN_MATRIX") == "1")
 
 
+# ---------------------------------------------------------------- the lanes
+#
+# Two cores, and most end-to-end tests keep both busy (every rank and spare imports
+# torch: ~4 s of CPU each). Two xdist workers that both run such tests only slow each
+# other down, and the timing-bound cases (a hang limit of a few seconds, a straggler
+# factor) then take a loaded peer for a hung one. What does not compete is waiting: the
+# etcd outage tests sit through outages and leases, the rendezvous protocol tests through
+# timeouts, with their processes parked. So the README's command (`-n 2 --dist
+# loadgroup`) runs two lanes side by side: "waits" (those modules, and the unit tier,
+# which starts nothing), and "main" (everything else, one test after the other), whose
+# timing-bound modules run last, when the waits lane is long done. Plain `pytest` runs
+# the same tests in the same order, one after the other.
+_WAITS_LANE = {"test_etcd_outages.py", "test_rendezvous.py"}
+_RUN_LAST = {"test_hang_recovery.py": 2, "test_sharded.py": 1}
+
+
+def _lane(item: pytest.Item) -> str:
+    if item.path.name in _WAITS_LANE or item.get_closest_marker("unit") is not None:
+        return "waits"
+    return "main"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: (_lane(item) == "main", _RUN_LAST.get(item.path.name, 0)))
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(_lane(item)))
     if _matrix_wanted(config):
         return
     skip = pytest.mark.skip(reason="the combinatorial matrix: run with --matrix")

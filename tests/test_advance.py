@@ -168,7 +168,9 @@ def test_bad_flags_are_one_line_exit_2(workdir, test_env):
     assert cmd.returncode == 2 and "--rank R or --node" in cmd.stderr
 
 
-@pytest.mark.slow
+# A node's ranks moved at one boundary: test_preemption_notice_moves_the_nodes_ranks;
+# that a single node takes its own spares is placement_order's (test_agent_decisions.py).
+@pytest.mark.matrix
 def test_migrate_node_alone_uses_its_own_spares(workdir, test_env, reference):
     """One node, 4 ranks and 4 parked spares: `tp-run migrate --node` gives every rank a
     new process at one boundary, each handed its state by its predecessor."""
@@ -255,7 +257,9 @@ def test_failed_health_check_moves_the_nodes_ranks(workdir, test_env, reference,
     _moves_a_node(workdir, test_env, reference, etcd_server, "health")
 
 
-@pytest.mark.slow
+# The refusal is node_migration_refusal's (test_agent_decisions.py); a job stopped for
+# want of a spare runs for real in test_resilient.py::test_no_spare_left.
+@pytest.mark.matrix
 def test_preemption_without_a_spare_stops_the_job(workdir, test_env, etcd_server):
     """No spare node and none parked elsewhere: the notice stops the job, one line."""
     out = workdir / "out"

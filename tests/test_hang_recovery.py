@@ -55,10 +55,12 @@ def _hang_recovered(proc, out, log_dir, ref: str, rank: int, world: int) -> dict
     return event
 
 
-# A stop in the forward pass is the same verdict as one in the all-reduce (the rank is
-# behind its peers on the board): in the matrix.
+# A stop in the forward pass or in optimizer.step() is the same verdict as one in the
+# all-reduce (the rank is behind its peers on the board: test_hangs.py), and the kill
+# that follows is any kill (tests/test_loops.py kills inside optimizer.step()): in the
+# matrix.
 @pytest.mark.parametrize("where", [pytest.param("forward", marks=pytest.mark.matrix), "allreduce",
-                                   pytest.param("optimizer", marks=pytest.mark.slow)])
+                                   pytest.param("optimizer", marks=pytest.mark.matrix)])
 def test_stopped_rank_is_killed_and_replaced(workdir, test_env, reference, where):
     log_dir = workdir / "logs"
     proc, out = launch(workdir, test_env, ["--nproc-per-node", "4", "--spares", "1",

@@ -210,7 +210,9 @@ def background(workdir: Path, env: dict[str, str], args: list[str]) -> Iterator[
             proc.communicate()
 
 
-@pytest.mark.slow
+# A parked spare killed and replaced: also the first death of
+# test_parked_spare_that_keeps_dying_backs_off, which goes on to the backoff.
+@pytest.mark.matrix
 def test_kill_parked_spare_is_replaced(workdir, test_env, reference):
     """(The ranks hold at step 2 until the new spare has parked: spares start only once
     the ranks reached tp_launch.resilient.run(), so a short job could end first.)"""
@@ -260,9 +262,10 @@ def test_migrate_bad_requests(workdir, test_env):
 
 
 @pytest.mark.slow
-# fail: a decision (test_recovery_sequences.py); restart and wait run for real here.
-@pytest.mark.parametrize("policy", [pytest.param("fail", marks=pytest.mark.matrix), "restart",
-                                    "wait"])
+# fail: a decision (test_recovery_sequences.py); restart: every worker restarted for
+# real in test_node_loss_without_spares_restarts_the_survivors; wait runs here.
+@pytest.mark.parametrize("policy", [pytest.param("fail", marks=pytest.mark.matrix),
+                                    pytest.param("restart", marks=pytest.mark.matrix), "wait"])
 def test_no_spare_left(workdir, test_env, reference, policy):
     """Two ranks die at once with one spare parked. (LOGLEVEL=INFO: restarts are logged
     at INFO, as torchrun logs them.)"""
@@ -611,7 +614,9 @@ def test_node_loss_moves_its_ranks_to_spares(workdir, test_env, reference, etcd_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["etcd", "c10d"])
+# The etcd backend under a multi-node resilient job with a rank failure: the outage tests
+# (test_etcd_outages.py) and the node-loss cases run it; c10d's only here.
+@pytest.mark.parametrize("backend", [pytest.param("etcd", marks=pytest.mark.matrix), "c10d"])
 def test_rank_failure_across_nodes(workdir, test_env, reference, etcd_server, backend):
     """etcd or c10d, --nnodes 2 and three agents (the last to join is a spare node): a rank
     SIGKILLed inside the all-reduce is replaced by its own node's spare; the generation

@@ -85,11 +85,13 @@ def hsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
     return torchrun_result(tmp_path_factory, 4, HSDP)
 
 
+# One kill point in CI, past the point of no return (the optimizer step); where a rank
+# dies is the agreement's decision (tests/test_agreement.py), the replica path the same.
 @pytest.mark.parametrize("where, rank, step", [
-    ("forward", 1, 6),
-    # A kill in FSDP's reduce-scatter: plain FSDP's case below runs it in CI.
+    pytest.param("forward", 1, 6, marks=pytest.mark.matrix),
+    # A kill in FSDP's reduce-scatter: plain FSDP's case below.
     pytest.param("backward", 2, 6, marks=pytest.mark.matrix),
-    pytest.param("optimizer", 3, 7, marks=pytest.mark.slow),  # past the point of no return
+    ("optimizer", 3, 7),  # past the point of no return
 ])
 def test_hsdp_rank_comes_back_from_its_replica(workdir, test_env, hsdp_reference, where,
                                                rank, step):
@@ -160,7 +162,8 @@ def test_replicas_that_differ_stop_the_job(workdir, test_env):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world, options", [
-    ("4", ["--replicas", "2"]),  # HSDP: the replica peer serves
+    # HSDP's replica peer serving a newcomer: test_hsdp_rank_comes_back_from_its_replica.
+    pytest.param("4", ["--replicas", "2"], marks=pytest.mark.matrix),
     ("2", ["--replicas", "1"]),  # plain FSDP: the buddy copy serves
 ])
 def test_the_sharded_example_ends_as_under_torchrun(tmp_path, test_env, world, options):
@@ -193,7 +196,9 @@ def buddy_reference_4(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.mark.parametrize("where", [
     "forward",
-    pytest.param("backward", marks=pytest.mark.slow),  # FSDP reduce-scattering
+    # Killed inside FSDP's reduce-scatter: the survivor's collective fails like any
+    # other (tests/test_loops.py kills inside DDP's); the rollback rule is the same.
+    pytest.param("backward", marks=pytest.mark.matrix),
     pytest.param("optimizer", marks=pytest.mark.slow),  # past the point of no return
 ])
 def test_plain_fsdp_rank_comes_back_from_its_buddy_copy(workdir, test_env, buddy_reference,

@@ -73,7 +73,10 @@ def config(args: argparse.Namespace) -> Trainer.Config:
     cfg.model_spec = model_registry("debugmodel", attn_backend="sdpa")
     cfg.hf_assets_path = str(args.assets / "tokenizer")
     cfg.dataloader.dataset_path = str(args.assets / "c4_test")
-    cfg.training = TrainingConfig(local_batch_size=2, seq_len=128, steps=args.steps)
+    # float32 compute: bfloat16 (TorchTitan's default for FSDP's all-gathered parameters) has no
+    # fast CPU kernel without AVX512-BF16, and ran every matmul here ~15x slower.
+    cfg.training = TrainingConfig(local_batch_size=2, seq_len=128, steps=args.steps,
+                                  mixed_precision_param="float32")
     cfg.parallelism = ParallelismConfig(data_parallel_replicate_degree=args.replicas,
                                         spmd_backend="partial_dtensor")
     cfg.activation_checkpoint = None
