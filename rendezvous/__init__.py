@@ -72,15 +72,22 @@ def create_handler(config: RendezvousParams) -> RendezvousHandler:
     if config.rdzv_backend == "static":
         host, port = split_endpoint(config.rdzv_endpoint, config.master_port or 29500)
         return StaticRendezvous(config.run_id, config.max_nodes, config.node_rank, host, port)
+    factory = _BACKENDS.get(config.rdzv_backend)
+    if factory is None:  # (also on one node, where the backend is not used: a typo)
+        raise RendezvousError(unknown_backend(config.rdzv_backend))
     if config.max_nodes == 1:
         # Single node: the embedded default, on the endpoint's port (0: a free one).
         host, port = split_endpoint(config.rdzv_endpoint or "localhost:0", 29400)
         return StaticRendezvous(config.run_id, 1, 0, host, port)
-    factory = _BACKENDS.get(config.rdzv_backend)
-    if factory is None:
-        known = ", ".join(sorted({"static", *_BACKENDS}))
-        raise RendezvousError(f"unknown --rdzv-backend {config.rdzv_backend!r} (known: {known})")
     return factory(config)
+
+
+def unknown_backend(name: str) -> str | None:
+    """The error line for ``--rdzv-backend NAME``, or None if it is a known backend."""
+    if name == "static" or name in _BACKENDS:
+        return None
+    known = ", ".join(sorted({"static", *_BACKENDS}))
+    return f"unknown --rdzv-backend {name!r} (known: {known})"
 
 
 def _membership_handler(config: RendezvousParams) -> RendezvousHandler:

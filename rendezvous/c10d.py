@@ -37,12 +37,14 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import math
 import socket
 import threading
 import time
 import uuid
 from typing import Any, Callable
 
+from rendezvous import bounded_json
 from rendezvous.grammar import split_endpoint
 from rendezvous.kv import KV, KVError
 from rendezvous.quiet import import_torch_quietly
@@ -132,12 +134,26 @@ class C10dKV(KV):
     def _lease_key(self, lease: str) -> str:
         return f"{self._ns}/__lease/{lease}"
 
+    def _beat(self, raw: str | bytes) -> dict[str, float] | None:
+        """A lease's heartbeat record, or None (with one line) if it is malformed: a
+        lease whose record anyone overwrote with garbage is a lease gone."""
+        try:
+            beat = bounded_json.loads(raw, max_bytes=1024)
+        except bounded_json.BoundsError as e:
+            logger.error("rendezvous: a malformed lease record, taken as expired: %s", e)
+            return None
+        if not (isinstance(beat, dict) and set(beat) == {"t", "ttl"} and all(
+                type(v) in (int, float) and math.isfinite(v) for v in beat.values())):
+            logger.error("rendezvous: a malformed lease record, taken as expired: %.80r", raw)
+            return None
+        return beat
+
     def _lease_alive(self, lease: str, now: float) -> bool:
         raw = self._raw_get(self._lease_key(lease))
         if raw is None:
             return False
-        beat = json.loads(raw)
-        if beat["t"] <= 0:
+        beat = self._beat(raw)
+        if beat is None or beat["t"] <= 0:
             return False  # revoked
         if now - beat["t"] <= beat["ttl"]:
             return True
@@ -157,8 +173,8 @@ class C10dKV(KV):
         raw = self._raw_get(key)
         if raw is None:
             return False
-        beat = json.loads(raw)
-        if beat["t"] <= 0 or time.time() - beat["t"] > beat["ttl"]:
+        beat = self._beat(raw)
+        if beat is None or beat["t"] <= 0 or time.time() - beat["t"] > beat["ttl"]:
             return False  # expired: others may already have acted on it
         beat["t"] = time.time()
         return self._raw_cas(key, raw, json.dumps(beat))

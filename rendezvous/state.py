@@ -63,6 +63,7 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
+from rendezvous import bounded_json
 from rendezvous.kv import KV, KVError
 
 Phase = Literal["joining", "closed", "complete"]
@@ -92,8 +93,8 @@ def _check(d: Any, what: str, required: dict[str, type | tuple[type, ...]],
 
 def _loads(text: str, what: str) -> Any:
     try:
-        return json.loads(text)
-    except ValueError as e:
+        return bounded_json.loads(text)
+    except bounded_json.BoundsError as e:
         raise StateError(f"malformed {what}: {e}") from None
 
 

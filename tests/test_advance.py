@@ -35,7 +35,8 @@ from tests.test_resilient import (  # noqa: F401  (reference: a fixture)
     recoveries,
     reference,
 )
-from tp_launch.agent.advance import Advance, HealthCheck, health_verdict
+from tp_launch.agent.advance import Advance
+from tp_launch.agent.health import HealthCheck, health_verdict
 from tp_launch.agent.control import evacuate
 from tp_launch.agent.node_agent import SignalWatch
 from tp_launch.config import ConfigError, parse_preempt_signal
@@ -158,7 +159,11 @@ def test_bad_flags_are_one_line_exit_2(workdir, test_env):
              (["--shard-copy-every", "1"], "--shard-copy-every needs resilient mode"),
              (["--spares", "1", "--shard-copy-every", "-1"], "--shard-copy-every"),
              (["--spares", "1", "--health-check", "true", "--health-interval", "0"],
-              "--health-interval")]
+              "--health-interval"),
+             (["--spares", "1", "--health-check", "true", "--health-interval", "1e-9"],
+              "--health-interval"),
+             (["--spares", "1", "--health-check", ""], "the command is empty"),
+             (["--spares", "1", "--health-check", "nvidia-smii -q"], "command not found")]
     for args, words in cases:
         proc = run_launcher(TP_RUN, [*args, script], test_env, workdir)
         lines = proc.stderr.strip().splitlines()

@@ -757,3 +757,34 @@ def test_store_host_binds_the_address_it_is_given():
             continue
         with pytest.raises(OSError, match=error):
             StoreHost(bad, 0)
+
+
+def test_a_full_temp_directory_costs_the_status_file_not_the_agent(small_disk, monkeypatch,
+                                                                  caplog):
+    """The control directory's filesystem fills up (a real ENOSPC from the kernel): the
+    status write says so once and the agent goes on; once there is room it is written
+    again (issue 25: the agent crashed at the first rank death)."""
+    monkeypatch.setenv("TMPDIR", str(small_disk))
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    served = _Served()
+    try:
+        status = control_files.AgentStatus("r", os.getpid(), 3, {0: 11}, [12])
+        filler = small_disk / "filler"
+        with open(filler, "wb") as f, contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * (64 << 10))
+                f.flush()
+        with caplog.at_level(logging.WARNING):
+            served.server.write_status(status)
+            served.server.write_status(status)
+        said = [r.getMessage() for r in caplog.records if "status file" in r.getMessage()]
+        assert len(said) == 1 and "No space left" in said[0], said
+        filler.unlink()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            served.server.write_status(status)
+        assert control_files.read_status(served.server.path).generation == 3
+        assert any("written again" in r.getMessage() for r in caplog.records)
+    finally:
+        served.server.close()

@@ -443,6 +443,11 @@ BAD_INPUT = [
                             "scripts/worker.py"], "did you mean 'ca_cert'"),
     ("misspelled-timeout", [*ETCD_2, "--rdzv-conf", "join_timout=5", "scripts/worker.py"],
      "did you mean 'join_timeout'"),
+    # One node does not use the backend, but a misspelled one is still a mistake.
+    ("unknown-backend-one-node", ["--rdzv-backend", "bogus", "--rdzv-endpoint", "h:1",
+                                  "scripts/worker.py"], "unknown --rdzv-backend 'bogus'"),
+    ("unknown-backend", ["--rdzv-backend", "etcd3", "--nnodes", "2", "--rdzv-endpoint",
+                         "127.0.0.1:9", "scripts/worker.py"], "unknown --rdzv-backend 'etcd3'"),
     ("log-dir-is-a-file", ["--log-dir", "scripts/worker.py", "scripts/worker.py"],
      "is a file"),
     ("log-dir-unwritable", ["--log-dir", "scripts/worker.py/logs", "scripts/worker.py"],

@@ -96,6 +96,36 @@ def test_deadlocked_data_loader_is_the_culprit(workdir, test_env, reference):
     assert "maybe_hang" in proc.stderr  # where the stack says it blocks
 
 
+# DataLoader workers (issue 25): forked by the rank after its group formed, they hold
+# copies of its gloo sockets, so while one lives the rank's peers never see it gone.
+@pytest.mark.slow
+def test_rank_killed_alone_takes_its_loader_workers_with_it(workdir, test_env, reference):
+    """Rank 1 (two loader workers, one of them busy for good on a later batch) is
+    SIGKILLed alone, as the OOM killer does: its workers are killed with it, its peers'
+    all-reduce fails, the spare takes rank 1 (an exit, not a hang verdict)."""
+    log_dir = workdir / "logs"
+    proc, out = launch(workdir, test_env, ["--nproc-per-node", "4", "--spares", "1",
+                                           "--log-dir", str(log_dir), *HANG],
+                       ["--loader-workers", "2", "--kill", "1:9:after-step",
+                        "--hang", "1:11:loader:worker-deadlock"])
+    check_completed(proc, out, reference, {1})
+    (event,) = recoveries(log_dir)
+    assert event["reason"] != "hang" and event["failed_ranks"] == [1], event
+    assert "holds the job up" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_deadlocked_loader_worker_is_the_culprit(workdir, test_env, reference):
+    """Rank 1's loader worker blocks for good: rank 1 waits for its batch, its peers in
+    the all-reduce; rank 1 is the culprit, and its workers go with it."""
+    log_dir = workdir / "logs"
+    proc, out = launch(workdir, test_env, ["--nproc-per-node", "4", "--spares", "1",
+                                           "--log-dir", str(log_dir), *HANG],
+                       ["--loader-workers", "2", "--hang", "1:11:loader:worker-deadlock"])
+    event = hang_recovered(proc, out, log_dir, reference, 1)
+    assert "behind its peers" in event["failed"][0]["hang"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("marked", [False, True])
 def test_evaluation_phases_are_not_hangs(workdir, test_env, reference, marked):

@@ -20,7 +20,7 @@ from rendezvous import RendezvousInfo
 from tp_launch import channel
 from tp_launch.agent.attempt import Attempt, Proc
 from tp_launch.agent.control import World
-from tp_launch.agent.decisions import Phase
+from tp_launch.agent.decisions import Phase, spares_to_start
 from tp_launch.agent.generations import LocalGenerations
 from tp_launch.agent.recovery import Recoverer, StopJob
 
@@ -70,7 +70,8 @@ class FakeProcesses:
             return
         starting = [p for p in at.procs.values() if at.slot_rank(p.slot) is None
                     and p.worker.returncode is None and p.slot not in at.retired]
-        for _ in range(at.pool + len(at.unplaced) - len(starting)):
+        waiting = sum(1 for node in at.pending.no_spare.values() if node == at.world.node)
+        for _ in range(spares_to_start(at.pool, len(at.unplaced), waiting, len(starting))):
             slot = at.next_slot
             at.next_slot += 1
             add_proc(at, self, slot)
@@ -106,7 +107,7 @@ class Node:
                           gen=g, world=World(gens.node, g.gen), local_of={},
                           pool=spares, next_slot=ranks, spares_wanted=True)
         self.processes = FakeProcesses()
-        config = SimpleNamespace(spares=spares, spare_policy=policy,
+        config = SimpleNamespace(spares=spares, spare_policy=policy, max_restarts=3,
                                  spare_wait_timeout=wait_s, shutdown_timeout=0.1)
         layout = SimpleNamespace(append=lambda name, text: self.logged.append(text))
         self.rec = Recoverer(config, self.at, self.processes, layout, "run")  # type: ignore
@@ -270,3 +271,43 @@ def test_a_spare_node_that_is_asked_to_migrate_drains():
     n.at.world.slot_of.clear()  # its ranks left it
     assert n.rec.migrate_node()[0] == "ok" and n.at.draining
     assert n.rec.migrate_node() == ("ok", "ok: this node's ranks have moved already")
+
+
+def test_two_ranks_lost_before_the_only_spare_parked_wait_for_two_spares():
+    """--spare-policy wait, --spares 1, two ranks SIGKILLed while the spare starts: a
+    spare starts for each waiting rank, and the job recovers once both parked (it used
+    to wait for a second spare that never started, then stop after the timeout)."""
+    n = Node(ranks=3, spares=1, policy="wait")
+    n.kill(1, 2, t=50.0)
+    assert n.at.gen.gen == 0 and set(n.at.pending.no_spare) == {1, 2}
+    starting = [p for p in n.at.procs.values() if n.at.slot_rank(p.slot) is None]
+    assert len(starting) == 3  # the pool's one, and one per waiting rank
+    n.park()
+    assert n.at.gen.gen == 0  # one parked: not enough for two
+    n.park()
+    assert n.at.gen.gen == 1 and sorted(n.at.gen.replaced) == [1, 2] and not n.at.pending
+
+
+def test_the_wait_for_a_spare_that_runs_out_says_so(capsys):
+    n = Node(ranks=2, spares=1, policy="wait", wait_s=5.0)
+    n.kill(1, t=50.0)
+    with pytest.raises(StopJob) as stop:
+        n.rec.wait_ran_out()
+    assert stop.value.final
+    assert "no spare parked for rank(s) [1] within --spare-wait-timeout 5 s" in \
+        capsys.readouterr().err
+
+
+@pytest.mark.parametrize("restarts, final, words", [
+    (0, True, "no restart left (--spare-policy restart, --max-restarts 0)"),
+    (2, False, "restarting every worker"),
+])
+def test_policy_restart_with_no_restart_left_says_it_stops(capsys, restarts, final, words):
+    n = Node(ranks=2, spares=2, policy="restart")
+    n.rec.config.max_restarts = restarts
+    n.park(), n.park()
+    n.kill(1)
+    with pytest.raises(StopJob) as stop:
+        n.kill(0)  # the only holder, before rank 1's newcomer resumed
+    assert stop.value.final is final
+    assert words in capsys.readouterr().err

@@ -5,6 +5,8 @@ test_failures.py and test_rendezvous_e2e.py."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 import tp_launch.config
@@ -194,3 +196,16 @@ def test_a_promoted_spare_shows_as_its_rank():
     assert layout.console_streams(2, 5) == {"stdout": "", "stderr": None}
     cfg.local_ranks_filter = {1}
     assert layout.console_streams(0, 0) == {"stdout": None, "stderr": None}
+
+
+@pytest.mark.parametrize("run_id", ["../escaped", "a/b", "../../x/.."])
+def test_the_run_directory_stays_in_the_log_dir(tmp_path, run_id):
+    """--rdzv-id names a directory in --log-dir, whatever slashes it holds."""
+    logs = tmp_path / "logs"
+    layout = LogLayout(LaunchConfig(nproc_per_node=1, log_dir=str(logs)), run_id)
+    try:
+        run_dir = Path(layout.run_dir).resolve()
+        assert run_dir.parent == logs.resolve(), run_dir
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["logs"]
+    finally:
+        layout.close()

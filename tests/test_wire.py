@@ -152,6 +152,10 @@ def test_header_of_another_version_is_refused():
     (b'{"tree": {"$t": 0}, "tensors": [[[' + b"1," * 40 + b'1], "float32"]]}',
      "tensor declaration"),  # more dimensions than MAX_DIMS
     (b'{"tree": {"$t": 1}, "tensors": [[[2], "float32"]]}', "bad tensor reference"),
+    # Nested past the parser's recursion limit, and past decode()'s depth bound.
+    (b'{"tree": ' + b"[" * 100_000 + b"]" * 100_000 + b', "tensors": []}', "nests too deep"),
+    (b'{"tree": ' + b'{"$tuple": [' * 80 + b"1" + b"]}" * 80 + b', "tensors": []}',
+     "nests too deep"),
 ])
 def test_documents_are_parsed_strictly(body, error):
     sent, recv = _pipe()
@@ -159,3 +163,14 @@ def test_documents_are_parsed_strictly(body, error):
              torch.frombuffer(bytearray(body), dtype=torch.uint8)]
     with pytest.raises(WireError, match=error):
         receive_document(recv)  # type: ignore[arg-type]
+
+
+def test_a_declared_tensor_no_machine_can_hold_is_a_wire_error():
+    """Within the declaration's bounds (each dimension under 2**48), far beyond memory:
+    the allocation's failure is the sender's error, a WireError like any other."""
+    body = b'{"tree": {"$t": 0}, "tensors": [[[4194304, 4194304, 4194304], "float64"]]}'
+    sent, recv = _pipe()
+    sent += [torch.tensor([MAGIC, VERSION, len(body)]),
+             torch.frombuffer(bytearray(body), dtype=torch.uint8)]
+    with pytest.raises(WireError, match="cannot allocate"):
+        receive_message(recv)  # type: ignore[arg-type]

@@ -201,6 +201,12 @@ def config_from_options(opts: dict[str, Any]) -> LaunchConfig:
         bare_ipv6 = ":" in addr and not addr.startswith("[")
         endpoint = f"[{addr}]:{master_port}" if bare_ipv6 else f"{addr}:{master_port}"
 
+    if not standalone:
+        from rendezvous import unknown_backend
+
+        bad_backend = unknown_backend(backend)
+        if bad_backend is not None:
+            raise ConfigError(bad_backend)
     rdzv_configs = parse_rdzv_conf(opts["rdzv_conf"])
     if not standalone and backend != "static" and max_nodes > 1:
         from rendezvous.conf import validate
@@ -231,7 +237,11 @@ def config_from_options(opts: dict[str, Any]) -> LaunchConfig:
         if opts[option] is not None:
             check_seconds(opts[option], "--" + option.replace("_", "-"))
     preempt_signal = parse_preempt_signal(opts["preempt_signal"])
-    health_check = opts["health_check"] or None
+    health_check = opts["health_check"]
+    if health_check is not None:
+        from tp_launch.agent.health import check_command
+
+        check_command(health_check, opts["health_interval"])
     if opts["spares"] == 0 and (opts["on_preempt"] != "ignore" or health_check
                                 or opts["shard_copy_every"]):
         flag = f"--on-preempt {opts['on_preempt']}" if opts["on_preempt"] != "ignore" \

@@ -22,6 +22,10 @@ deadlocked data loader; WHERE ``loader`` fetches the batch); the time is written
 sleeps that long in every step (a throttled GPU). ``--eval-every N --eval-s S``: after
 every N steps rank 0 alone evaluates for S seconds (no collective; ``--eval-marked``:
 inside ``state.long_phase()``).
+``--loader-workers N``: the batches come from a torch DataLoader with N worker processes
+(forked by the rank after the group formed: they hold copies of its gloo sockets); HOW
+``worker-deadlock`` with WHERE ``loader``: the rank's loader worker that fetches that
+step's batch blocks for good instead.
 ``--rank-at-import``: read RANK at import, as many scripts do (a spare, which has no
 RANK, fails there). ``--spare-dies-parked``: a spare SIGKILLs itself as soon as the agent
 counts a parked spare (it parks, then dies, every time).
@@ -71,6 +75,7 @@ p.add_argument("--eval-every", type=int, default=0)
 p.add_argument("--eval-s", type=float, default=0.0)
 p.add_argument("--eval-marked", action="store_true")
 p.add_argument("--spare-dies-parked", action="store_true")
+p.add_argument("--loader-workers", type=int, default=0)
 args = p.parse_args()
 if args.rank_at_import:
     RANK_AT_IMPORT = int(os.environ["RANK"])
@@ -169,6 +174,37 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x.to(DEVICE), y.to(DEVICE)
 
 
+class StepBatches(torch.utils.data.Dataset):
+    """Item ``step``: (step, this rank's batch of that step), fetched by loader workers."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def __len__(self) -> int:
+        return args.steps
+
+    def __getitem__(self, step: int):
+        if HANG is not None and HANG[2] == "loader" and HANG[3] == "worker-deadlock" \
+                and int(HANG[0]) == self.rank and int(HANG[1]) == step and once("hang"):
+            from tp_launch.resilient import parked_spares
+
+            while "TP_RUN_CHANNEL" in os.environ and parked_spares() < args.parked:
+                time.sleep(0.05)  # (a loader worker prefetches: maybe before any spare)
+            with open(os.path.join(OUT, "hang_t"), "w") as f:
+                f.write(repr(time.time()))
+            threading.Event().wait()  # this loader worker, blocked for good
+        return step, batch(step, self.rank)
+
+
+def loader_batches(first: int, rank: int):
+    """The batches from ``first`` on, through ``--loader-workers`` worker processes."""
+    loader = torch.utils.data.DataLoader(StepBatches(rank), batch_size=None,
+                                         sampler=range(first, args.steps),
+                                         num_workers=args.loader_workers)
+    for step, xy in loader:
+        yield step, xy
+
+
 class Saboteur:
     """Registered state that kills its process while the state is being moved (the
     transfer's functions are on the stack: not a commit's or a rollback's call)."""
@@ -228,13 +264,18 @@ def train(state) -> str:
         return allreduce_hook(process_group, bucket)
 
     ddp.register_comm_hook(None, comm_hook)
+    fetched = loader_batches(state.step, rank) if args.loader_workers else None
     for step in steps(state):
         current[0] = step
         if step == args.crash_step:
             wait_parked(args.parked)  # a bug, not a lack of spares, must stop the job
             raise ValueError(f"deliberate bug at step {step}")
-        maybe_hang("loader", step)
-        x, y = batch(step, rank)
+        if fetched is None:
+            maybe_hang("loader", step)
+            x, y = batch(step, rank)
+        else:
+            got, (x, y) = next(fetched)
+            assert got == step, (got, step)
         if SLOW_HERE and rank == SLOW[0]:
             time.sleep(SLOW[1])
         loss = nn.functional.mse_loss(ddp(x), y)

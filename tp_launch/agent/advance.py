@@ -23,9 +23,8 @@ published meanwhile, the rendezvous backend unreachable) is tried again every
 with it ignored (:func:`tp_launch.procs.worker.ignore_in_workers`).
 
 :class:`Advance` is the pure decision (what to do now, what a migration's outcome
-means); :func:`health_verdict` reads one run of the check. :class:`HealthCheck` is the
-only I/O here: a thread that runs the command and keeps the first failure for the
-agent's loop to pick up (the agent acts on both in
+means). The health check itself runs in :mod:`tp_launch.agent.health`, which keeps its
+first failure for the agent's loop to pick up (the agent acts on both in
 :meth:`tp_launch.agent.resilient_agent.ResilientAgent._advance`; the node's migration
 itself is :meth:`tp_launch.agent.recovery.Recoverer.migrate_node`).
 """
@@ -33,10 +32,6 @@ itself is :meth:`tp_launch.agent.recovery.Recoverer.migrate_node`).
 from __future__ import annotations
 
 import logging
-import os
-import signal
-import subprocess
-import threading
 from dataclasses import dataclass
 from typing import Literal
 
@@ -94,90 +89,3 @@ class Advance:
 
     def stopped(self) -> None:
         self.done = True
-
-
-def health_verdict(command: str, returncode: int | None, output: str,
-                   timeout_s: float) -> str | None:
-    """One run of the health check: None if healthy, else the line that says why
-    (``returncode`` None: it ran past ``timeout_s``), with the output's last line."""
-    if returncode == 0:
-        return None
-    lines = [line.strip() for line in output.splitlines() if line.strip()]
-    last = lines[-1] if lines else "(no output)"
-    what = (f"timed out after {timeout_s:g} s" if returncode is None else
-            f"exited with {returncode}" if returncode > 0 else
-            f"was killed by {_signal_name(-returncode)}")
-    return f"health check {command!r} {what}: {last[:200]}"
-
-
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
-
-
-class HealthCheck:
-    """Runs ``command`` (shell) every ``interval`` seconds in a thread until it fails
-    once; :meth:`failure` hands that failure's line to the agent, once.
-
-    The command runs in a session of its own, so that a timeout kills it with its
-    children.
-    """
-
-    def __init__(self, command: str, interval: float) -> None:
-        self.command = command
-        self.interval = interval
-        self._failure: str | None = None
-        self._taken = False
-        self._stop = threading.Event()
-        self._proc: subprocess.Popen[str] | None = None
-        self._thread = threading.Thread(target=self._run, name="tp-run-health", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def failure(self) -> str | None:
-        """The first failure's line, the first time it is asked for after it."""
-        if self._failure is None or self._taken:
-            return None
-        self._taken = True
-        return self._failure
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            verdict = self._once()
-            if verdict is not None and not self._stop.is_set():
-                self._failure = verdict
-                return
-
-    def _once(self) -> str | None:
-        try:
-            self._proc = proc = subprocess.Popen(
-                self.command, shell=True, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True)
-        except OSError as e:
-            return f"health check {self.command!r} cannot run: {e}"
-        try:
-            output, _ = proc.communicate(timeout=self.interval)
-            code: int | None = proc.returncode
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            output, _ = proc.communicate()
-            code = None
-        self._proc = None
-        return health_verdict(self.command, code, output or "", self.interval)
-
-    def stop(self) -> None:
-        self._stop.set()
-        proc = self._proc
-        if proc is not None and proc.poll() is None:
-            _kill_group(proc)
-        self._thread.join(timeout=5.0) if self._thread.is_alive() else None
-
-
-def _kill_group(proc: subprocess.Popen[str]) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except OSError:
-        pass

@@ -30,6 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from rendezvous.state import StateError
+
 
 @dataclass
 class Generation:
@@ -73,9 +75,22 @@ class Generation:
 
     @staticmethod
     def from_json(gen: int, d: dict[str, Any]) -> Generation:
-        addr, _, port = d["store"].rpartition(":")
-        return Generation(gen, {int(r): n for r, n in d["ranks"].items()}, (addr, int(port)),
-                          list(d.get("replaced", [])), d.get("reason", "?"), d.get("boundary"))
+        """The placement read back from the rendezvous state; StateError (a KVError: the
+        readers' path for a backend that answers nonsense) if anything is off."""
+        try:
+            addr, _, port = d["store"].rpartition(":")
+            ranks = {int(r): n for r, n in d["ranks"].items()}
+            replaced = list(d.get("replaced", []))
+            reason, boundary = d.get("reason", "?"), d.get("boundary")
+            ok = all(type(n) is str for n in ranks.values()) and type(reason) is str \
+                and all(type(r) is int for r in replaced) \
+                and (boundary is None or type(boundary) is int)
+            store = (addr, int(port))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            ok = False
+        if not ok:
+            raise StateError(f"malformed placement of generation {gen}: {str(d)[:200]!r}")
+        return Generation(gen, ranks, store, replaced, reason, boundary)
 
 
 def place(lost: dict[int, str], ranks: dict[int, str], parked: dict[str, int],

@@ -80,6 +80,7 @@ class ControlServer:
         self._sel: selectors.BaseSelector | None = None
         self._server: socket.socket | None = None
         self._board: progress.ProgressBoard | None = None
+        self._status_failing = False  # the last status write failed (said once)
         try:
             self.directory = new_control_dir()
         except OSError as e:
@@ -134,7 +135,21 @@ class ControlServer:
         return False
 
     def write_status(self, status: AgentStatus) -> None:
-        write_status(self.path, status)
+        """The status file, for ``tp-run status/migrate`` and ``parked_spares()``. A
+        failure to write it (its temp directory full: ENOSPC) costs the file's freshness,
+        never the job: one warning while it lasts, another when it is written again."""
+        try:
+            write_status(self.path, status)
+        except OSError as e:
+            if not self._status_failing:
+                self._status_failing = True
+                logger.warning("cannot write the status file beside %s (%s): tp-run status, "
+                               "tp-run migrate and parked_spares() see an older one until "
+                               "it can be written", self.path, e.strerror or e)
+            return
+        if self._status_failing:
+            self._status_failing = False
+            logger.warning("the status file is written again")
 
     def close(self) -> None:
         """Close every connection and the socket; remove the directory and its files."""

@@ -368,6 +368,21 @@ def node_migration_refusal(draining: bool, ranks_here: int, unplaced: int,
     return None
 
 
+# ---------------------------------------------------------------- spares to start
+
+
+def spares_to_start(pool: int, unplaced: int, waiting: int, starting: int) -> int:
+    """How many spare processes to start now on this node. ``pool``: the spares the node
+    keeps (``--spares``); ``unplaced``: ranks of this generation with no process here;
+    ``waiting``: ranks of this node that lost their process and wait for a spare
+    (``--spare-policy wait``); ``starting``: spare processes started here, not dead,
+    not holding a rank (starting or parked).
+
+    Ranks that wait for a spare get one started each, beside the pool: two ranks lost
+    with ``--spares 1`` would otherwise wait for a second spare that never starts."""
+    return max(0, pool + unplaced + waiting - starting)
+
+
 # ---------------------------------------------------------------- the attempt's end
 
 

@@ -39,7 +39,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from rendezvous import RendezvousError, RendezvousHandler, RendezvousInfo
+from rendezvous import RendezvousError, RendezvousHandler, RendezvousInfo, bounded_json
 from rendezvous.handler import MembershipRendezvous
 from rendezvous.kv import KVError, KVUnavailable
 from rendezvous.store_host import StoreHost
@@ -238,6 +238,7 @@ class SharedGenerations:
         except OSError as e:
             raise RendezvousError(str(e)) from None
         self._finished_gen: int | None = None  # this node's exit-barrier mark, not yet written
+        self._malformed_status: set[str] = set()  # nodes whose status was said malformed
         try:
             membership.watch_changes()
             state, _ = membership.until_reachable(membership.read_state)
@@ -330,12 +331,19 @@ class SharedGenerations:
             return {}
         docs: dict[str, dict[str, Any]] = {}
         for node, text in raw.items():
-            try:
-                doc = json.loads(text)
-            except ValueError:
+            if node == self.node:
                 continue
-            if node != self.node and isinstance(doc, dict):
-                docs[node] = doc
+            try:
+                doc = bounded_json.loads(text)
+            except bounded_json.BoundsError as e:
+                doc = e
+            if not isinstance(doc, dict):
+                if node not in self._malformed_status:  # one line per node
+                    self._malformed_status.add(node)
+                    logger.error("rendezvous: node %.80r's status document is malformed, "
+                                 "left out: %.120s", node, doc)
+                continue
+            docs[node] = doc
         return docs
 
     def publish(self, g: Generation) -> bool:

@@ -23,6 +23,7 @@ import time
 from tp_launch import progress
 from tp_launch.agent.attempt import Attempt, Proc
 from tp_launch.agent.control import SpareRestarts
+from tp_launch.agent.decisions import spares_to_start
 from tp_launch.agent.failures import exit_description
 from tp_launch.agent.worker_env import spare_env, worker_argv, worker_env
 from tp_launch.config import ConfigError, LaunchConfig
@@ -102,7 +103,8 @@ class Processes:
         pending = [p for p in at.procs.values()
                    if at.slot_rank(p.slot) is None and p.worker.returncode is None
                    and p.slot not in at.retired]
-        for _ in range(at.pool + len(at.unplaced) - len(pending)):
+        waiting = sum(1 for node in at.pending.no_spare.values() if node == at.world.node)
+        for _ in range(spares_to_start(at.pool, len(at.unplaced), waiting, len(pending))):
             slot = at.next_slot
             at.next_slot += 1
             self.spawn(at, slot, self.layout.spare_logs(at.logs, slot), spare=True)

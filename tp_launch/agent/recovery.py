@@ -444,6 +444,14 @@ class Recoverer:
         at.pending.no_backend = dict(lost)
         self._backend_unreachable(e)
 
+    def wait_ran_out(self) -> NoReturn:
+        """``--spare-policy wait``: no spare parked for the waiting ranks in time."""
+        at = self.attempt
+        print(f"tp-run: error: no spare parked for rank(s) {sorted(at.pending.no_spare)} "
+              f"within --spare-wait-timeout {self.config.spare_wait_timeout:g} s; stopping",
+              file=sys.stderr, flush=True)
+        raise StopJob(self.failure_result(), final=True)
+
     def fatal(self, msg: channel.Fatal) -> None:
         """A rank found that the job cannot go on exactly: stop it, with that reason."""
         if self.attempt.exiting:
@@ -465,9 +473,14 @@ class Recoverer:
         (counted against ``--max-restarts``), ``fail`` and ``wait`` stop it."""
         policy = self.config.spare_policy
         restart = policy == "restart"
-        self.stop_job(f"{line}; " + ("restarting every worker (--spare-policy restart)"
-                                     if restart else f"stopping (--spare-policy {policy})"),
-                      report, final=not restart)
+        left = self.config.max_restarts - self.attempt.restart_count
+        if restart and left <= 0:
+            how = (f"stopping: no restart left (--spare-policy restart, --max-restarts "
+                   f"{self.config.max_restarts})")
+        else:
+            how = ("restarting every worker (--spare-policy restart)" if restart
+                   else f"stopping (--spare-policy {policy})")
+        self.stop_job(f"{line}; {how}", report, final=not restart or left <= 0)
 
     def stop_job(self, line: str, report: str, final: bool) -> NoReturn:
         """Stop this attempt (``final``: the job) with one ``tp-run: error:`` line,

@@ -81,7 +81,8 @@ import time
 from rendezvous import RendezvousHandler, RendezvousInfo, api
 from tp_launch import channel
 from tp_launch.agent import hangs
-from tp_launch.agent.advance import Advance, HealthCheck
+from tp_launch.agent.advance import Advance
+from tp_launch.agent.health import HealthCheck
 from tp_launch.agent.attempt import Attempt, Proc
 from tp_launch.agent.control import World
 from tp_launch.agent.decisions import Exit, Phase, attempt_settled, backend_to_blame, judge_exits
@@ -281,7 +282,7 @@ class ResilientAgent(NodeAgent):
             if world_changed or time.monotonic() - at.last_view > _VIEW_POLL_S:
                 self.recoverer.on_world_change()
             if at.pending.no_spare and time.monotonic() > at.pending.deadline:
-                raise StopJob(self.recoverer.failure_result(), final=True)
+                self.recoverer.wait_ran_out()
             self.processes.spawn_missing(at)  # a spare whose backoff delay is over
             self._advance(watch)
             self.watchdog.tick(at, self.recoverer)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from string import Template
 
 from rendezvous.api import RendezvousInfo
@@ -13,12 +14,18 @@ from tp_launch.config import ConfigError, LaunchConfig
 _AGENT_ONLY = (PASSWORD_ENV,)
 
 
+def without_agent_secrets(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` less the agent's own secrets: what a process the agent starts for
+    someone else's code (a worker, the health check) may see."""
+    return {k: v for k, v in environ.items() if k not in _AGENT_ONLY}
+
+
 def worker_env(config: LaunchConfig, info: RendezvousInfo, local_rank: int,
                restart_count: int, error_file: str) -> dict[str, str]:
     """The full environment of one worker: the agent's (less the etcd password), plus
     torchrun's variables."""
     rank = info.rank_offset + local_rank
-    env = {k: v for k, v in os.environ.items() if k not in _AGENT_ONLY}
+    env = without_agent_secrets(os.environ)
     env.update({
         "RANK": str(rank),
         "GROUP_RANK": str(info.node_rank),

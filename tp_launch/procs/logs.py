@@ -116,7 +116,9 @@ class LogLayout:
             elif os.path.isfile(base):
                 raise ConfigError(f"--log-dir {base} is a file")
             os.makedirs(base, exist_ok=True)
-            self.run_dir = tempfile.mkdtemp(prefix=f"{run_id}_", dir=base)
+            # The job id names a directory *in* the log dir: "../x" or "a/b" would put it
+            # elsewhere (torchrun 2.13 does), so its slashes become underscores.
+            self.run_dir = tempfile.mkdtemp(prefix=f"{run_id.replace(os.sep, '_')}_", dir=base)
         except OSError as e:
             if config.log_dir is not None:
                 raise ConfigError(f"--log-dir {base}: cannot write there "

@@ -105,10 +105,18 @@ class WorkerProcess:
 
     @property
     def returncode(self) -> int | None:
-        """The exit status once reaped: negative for a signal, as in subprocess."""
+        """The exit status once reaped: negative for a signal, as in subprocess.
+
+        The first time the worker is seen dead, whatever it left in its process group is
+        SIGKILLed: the DataLoader workers it forked hold copies of its sockets (gloo's
+        connections to its peers among them), so a rank killed alone (the OOM killer
+        kills one process, not its group) would otherwise stay connected through them,
+        its peers blocked in a collective that never fails, and no recovery would start
+        (they also watch their parent only every 5 s, and not while blocked)."""
         code = self.popen.poll()
         if code is not None and self.exit_time is None:
             self.exit_time = time.time()
+            self.signal_group(signal.SIGKILL)
         return code
 
     def written(self) -> int:

@@ -438,6 +438,8 @@ def receive_document(recv: Recv) -> tuple[Any, list[TensorSpec]]:
         doc = json.loads(tensor_bytes(body).decode())
     except (UnicodeDecodeError, ValueError) as e:
         raise WireError(f"the document is not JSON: {e}") from None
+    except RecursionError:  # (decode() bounds the depth of what parses)
+        raise WireError("the document nests too deep") from None
     if not (isinstance(doc, dict) and set(doc) == {"tree", "tensors"}
             and isinstance(doc["tensors"], list)):
         raise WireError("the document lacks its tree or tensor list")
@@ -452,9 +454,19 @@ def receive_message(recv: Recv, spare: Sequence[torch.Tensor] = ()) -> tuple[int
     buffers = [spare[i] if i < len(spare) and tuple(spare[i].shape) == s.shape
                and spare[i].dtype == DTYPES[s.dtype] and spare[i].is_contiguous()
                and spare[i].device.type == "cpu"
-               else torch.empty(s.shape, dtype=DTYPES[s.dtype]) for i, s in enumerate(specs)]
+               else _allocate(s) for i, s in enumerate(specs)]
     got = receive_tensors(specs, buffers, recv)
     return got, fill(tree, buffers)
+
+
+def _allocate(spec: TensorSpec) -> torch.Tensor:
+    """A host tensor for a declared one; WireError where it cannot be had (a declaration
+    of more memory than the machine has is the sender's error, not this process's)."""
+    try:
+        return torch.empty(spec.shape, dtype=DTYPES[spec.dtype])
+    except (RuntimeError, MemoryError) as e:
+        raise WireError(f"cannot allocate a declared tensor of {spec.nbytes} bytes: "
+                        f"{str(e).splitlines()[0][:80]}") from None
 
 
 def receive_tensors(specs: Sequence[TensorSpec], buffers: Sequence[torch.Tensor],
