@@ -21,23 +21,6 @@ from typing import Iterator
 import psutil
 import pytest
 
-# Under pytest-xdist (the README's test command runs two workers, one per lane: see
-# "the lanes" below), each worker gets a temp directory of its own, made like /tmp
-# (world-writable, sticky) and used for everything it runs: a job's control directory,
-# which `tp-run migrate` and `tp-run status` look through, is then never the other
-# worker's job's, and the tests that check what is left in the temp directory see only
-# their own worker's. Set at import, before any test module reads tempfile.gettempdir().
-if os.environ.get("PYTEST_XDIST_WORKER") and not os.environ.get("TP_TEST_WORKER_TMP"):
-    import atexit
-    import tempfile
-
-    _worker_tmp = tempfile.mkdtemp(prefix=f"tp-run-tests-{os.environ['PYTEST_XDIST_WORKER']}-")
-    os.chmod(_worker_tmp, 0o1777)
-    os.environ["TMPDIR"] = os.environ["TP_TEST_WORKER_TMP"] = _worker_tmp
-    os.environ.pop("XDG_RUNTIME_DIR", None)
-    tempfile.tempdir = None  # computed again from TMPDIR
-    atexit.register(shutil.rmtree, _worker_tmp, True)
-
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 TP_RUN = [sys.executable, "-m", "tp_launch"]
@@ -216,86 +199,7 @@ def _matrix_wanted(config: pytest.Config) -> bool:
     return bool(config.getoption("--matrix") or os.environ.get("TP_RUN_MATRIX") == "1")
 
 
-# ---------------------------------------------------------------- the lanes
-#
-# Two cores, and most end-to-end tests keep both busy (every rank and spare imports
-# torch: ~4 s of CPU each), so two xdist workers running such tests side by side gain
-# only what one leaves idle (~20%), and the timing-bound cases (a hang limit of a few
-# seconds, a straggler factor) then take a loaded peer for a hung one. What does not
-# compete is waiting: the etcd outage tests sit through outages and leases, the
-# rendezvous protocol tests through timeouts, with their processes parked. So the
-# README's command (`-n 2 --dist loadgroup`) runs two lanes, one per worker:
-#   "a": the waiting modules, the unit tier (it starts nothing), and enough CPU-bound
-#       modules to end with lane b's first part;
-#   "b": the other CPU-bound modules, then the timing-bound ones (_ALONE), which start
-#       only once lane a is done (a barrier: _lane_a_done), so they run alone.
-# Plain `pytest` runs the same tests in the same order, one after the other, no barrier.
-_LANE_A = {"test_etcd_outages.py", "test_rendezvous.py", "test_loops.py", "test_exactness.py"}
-_ALONE = {"test_sharded.py": 1, "test_hang_recovery.py": 2}  # last in lane b, in this order
-
-
-def _lane(item: pytest.Item) -> str:
-    if item.path.name in _LANE_A or item.get_closest_marker("unit") is not None:
-        return "a"
-    return "b"
-
-
-class _LanesDir:
-    """xdist, on the controller: a directory of this run's own where lane a says it is
-    done (made private by mkdtemp, removed at exit). A plugin registered only when xdist
-    runs (its hook is xdist's)."""
-
-    def __init__(self) -> None:
-        import atexit
-        import tempfile
-
-        self.path = tempfile.mkdtemp(prefix="tp-run-lanes-")
-        atexit.register(shutil.rmtree, self.path, True)
-
-    def pytest_configure_node(self, node) -> None:  # type: ignore[no-untyped-def]
-        node.workerinput["tp_lanes_dir"] = self.path
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    if config.pluginmanager.hasplugin("xdist") and getattr(config.option, "numprocesses", None) \
-            and not hasattr(config, "workerinput"):
-        config.pluginmanager.register(_LanesDir(), "tp-run-lanes")
-
-
-def _lanes_dir(config: pytest.Config) -> Path | None:
-    found = getattr(config, "workerinput", {}).get("tp_lanes_dir")
-    return Path(found) if found else None
-
-
-def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    lanes = _lanes_dir(item.config)
-    if lanes is not None and _lane(item) == "a" and (nextitem is None or _lane(nextitem) != "a"):
-        (lanes / "a-done").touch()
-
-
-@pytest.fixture(autouse=True)
-def _lane_a_done(request: pytest.FixtureRequest) -> None:
-    """Lane b's timing-bound modules wait (bounded) for lane a to be done."""
-    lanes = _lanes_dir(request.config)
-    if lanes is None or request.node.path.name not in _ALONE \
-            or not getattr(request.config, "_tp_lane_a_runs", False):
-        return
-    deadline = time.monotonic() + 1800
-    while not (lanes / "a-done").exists() and time.monotonic() < deadline:
-        time.sleep(1.0)
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """Whether lane a has tests in this run (after -k/-m deselection): if not, lane b's
-    timing-bound modules have nothing to wait for."""
-    session.config._tp_lane_a_runs = any(  # type: ignore[attr-defined]
-        _lane(item) == "a" for item in session.items)
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: (_lane(item), _ALONE.get(item.path.name, 0)))
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(_lane(item)))
     if _matrix_wanted(config):
         return
     skip = pytest.mark.skip(reason="the combinatorial matrix: run with --matrix")

@@ -274,6 +274,9 @@ def train(state) -> str:
             maybe_hang("loader", step)
             x, y = batch(step, rank)
         else:
+            if HANG is not None and HANG[3] == "worker-deadlock" and int(HANG[0]) == rank \
+                    and int(HANG[1]) == step:
+                wait_parked(args.parked)  # (marked long: the loader worker waits for it too)
             got, (x, y) = next(fetched)
             assert got == step, (got, step)
         if SLOW_HERE and rank == SLOW[0]:
