@@ -1,7 +1,7 @@
 """JSON read from a shared place (an etcd key, a store, a socket): bounded before use.
 
 Anyone who can write under a job's etcd prefix (an etcd without auth: see the README's
-"Securing the rendezvous") or connect to its store can put any text there. A document
+"Trust model") or connect to its store can put any text there. A document
 nested ten thousand deep makes ``json.loads`` raise RecursionError, and one merely a few
 hundred deep passes it, then breaks whatever walks it recursively later (``json.dumps``
 for ``tp-run status``, a ``repr``); a document of gigabytes takes the reader's memory.
