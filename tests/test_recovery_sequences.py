@@ -20,8 +20,9 @@ from rendezvous import RendezvousInfo
 from tp_launch import channel
 from tp_launch.agent.attempt import Attempt, Proc
 from tp_launch.agent.control import World
-from tp_launch.agent.decisions import Phase, spares_to_start
+from tp_launch.agent.decisions import Phase
 from tp_launch.agent.generations import LocalGenerations
+from tp_launch.agent.processes import missing_spares
 from tp_launch.agent.recovery import Recoverer, StopJob
 
 pytestmark = pytest.mark.unit
@@ -68,10 +69,7 @@ class FakeProcesses:
     def spawn_missing(self, at: Attempt) -> None:
         if at.exiting:
             return
-        starting = [p for p in at.procs.values() if at.slot_rank(p.slot) is None
-                    and p.worker.returncode is None and p.slot not in at.retired]
-        waiting = sum(1 for node in at.pending.no_spare.values() if node == at.world.node)
-        for _ in range(spares_to_start(at.pool, len(at.unplaced), waiting, len(starting))):
+        for _ in range(missing_spares(at)):  # the real count; only the start is faked
             slot = at.next_slot
             at.next_slot += 1
             add_proc(at, self, slot)

@@ -37,6 +37,16 @@ logger = logging.getLogger(__name__)
 _SPARE_EXIT_S = 5.0
 
 
+def missing_spares(at: Attempt) -> int:
+    """How many spare processes ``at`` lacks now (:func:`spares_to_start` over the
+    attempt's processes: those started, alive, holding no rank and not retired)."""
+    starting = sum(1 for p in at.procs.values()
+                   if at.slot_rank(p.slot) is None and p.worker.returncode is None
+                   and p.slot not in at.retired)
+    waiting = sum(1 for node in at.pending.no_spare.values() if node == at.world.node)
+    return spares_to_start(at.pool, len(at.unplaced), waiting, starting)
+
+
 class Processes:
     """Starts and keeps this node's processes (see the module's doc).
 
@@ -100,11 +110,7 @@ class Processes:
         young deaths says wait."""
         if not at.spares_wanted or at.exiting or not self._restarts.ready(time.monotonic()):
             return
-        pending = [p for p in at.procs.values()
-                   if at.slot_rank(p.slot) is None and p.worker.returncode is None
-                   and p.slot not in at.retired]
-        waiting = sum(1 for node in at.pending.no_spare.values() if node == at.world.node)
-        for _ in range(spares_to_start(at.pool, len(at.unplaced), waiting, len(pending))):
+        for _ in range(missing_spares(at)):
             slot = at.next_slot
             at.next_slot += 1
             self.spawn(at, slot, self.layout.spare_logs(at.logs, slot), spare=True)
