@@ -288,17 +288,22 @@ def test_preemption_without_a_spare_stops_the_job(workdir, test_env, etcd_server
 
 
 @pytest.mark.slow
-def test_on_preempt_stop_stops_the_job_in_one_line(workdir, test_env):
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM])
+def test_on_preempt_stop_stops_the_job_in_one_line(workdir, test_env, sig):
+    """SIGTERM as the notice (Slurm's own warning): the workers, started ignoring it, are
+    not waited for (it used to wait out the 30 s shutdown timeout, then SIGKILL them)."""
     with background(workdir, test_env, ["--nproc-per-node", "2", "--spares", "1",
-                                        "--on-preempt", "stop", SCRIPT, "--steps",
-                                        str(STEPS), "--hold-at", "2"]) as (proc, out, _):
+                                        "--on-preempt", "stop", "--preempt-signal", sig.name,
+                                        SCRIPT, "--steps", str(STEPS), "--hold-at", "2"]
+                    ) as (proc, out, _):
         _wait(lambda: all((out / f"held_{r}").exists() for r in range(2)), "ranks train")
         first = {e[0][0]: pid for pid, e in entries(out).items()}
-        proc.send_signal(signal.SIGUSR1)
+        proc.send_signal(sig)
         _, stderr = proc.communicate(timeout=HANG_TIMEOUT)
     assert proc.returncode == 1, stderr[-3000:]
     lines = [line for line in stderr.splitlines() if line.startswith("tp-run: error:")]
-    assert lines == ["tp-run: error: preemption notice (SIGUSR1); stopping the job (its "
+    assert lines == [f"tp-run: error: preemption notice ({sig.name}); stopping the job (its "
                      "ranks stop now: the script's last checkpoint is where a restart "
                      "resumes)"], stderr[-3000:]
+    assert "did not stop within" not in stderr, stderr[-3000:]
     assert len(first) == 2 and not list(out.glob("final_*.json"))

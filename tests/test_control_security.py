@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import re
+import resource
 import selectors
 import shutil
 import site
@@ -39,6 +40,7 @@ import pytest
 
 from tests.conftest import HANG_TIMEOUT, REPO, SCRIPTS, TP_RUN, run_launcher
 from tp_launch import channel, control_files
+from tp_launch.agent import control_server
 from tp_launch.agent.control_server import ControlServer
 
 OTHER = 65534  # nobody
@@ -355,6 +357,32 @@ def test_control_dirs_skip_look_alikes(shared_tmp: Path):
     assert control_files.control_dirs() == [real]
 
 
+def test_a_gone_agents_directories_are_removed_and_nothing_else(shared_tmp: Path):
+    """remove_stale: a directory whose owner file names a process that is gone (its pid
+    free, or reused by a process that started later) is removed; one whose owner lives,
+    one with no owner file, one open to others, and a link are kept."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    me = control_files._start_ticks(os.getpid())
+    owners = {"dead": f"{gone.pid} 1", "reused": f"{os.getpid()} {me - 1}",
+              "live": f"{os.getpid()} {me}", "none": None, "open": f"{gone.pid} 1"}
+    for name, owner in owners.items():
+        d = shared_tmp / name
+        d.mkdir(mode=0o700)
+        if owner is not None:
+            (d / control_files.OWNER_FILE).write_text(owner)
+        (d / "log").write_text("x")
+    (shared_tmp / "open").chmod(0o755)
+    (shared_tmp / "link").symlink_to(shared_tmp / "dead")
+    paths = [str(shared_tmp / n) for n in ["link", *owners]]
+    assert control_files.remove_stale(paths) == [str(shared_tmp / "dead"),
+                                                 str(shared_tmp / "reused")]
+    assert sorted(p.name for p in shared_tmp.iterdir()) == ["link", "live", "none", "open"]
+    made = control_files.new_control_dir()  # marked as this process's
+    assert control_files.remove_stale([made]) == [] and os.path.isdir(made)
+    shutil.rmtree(made)
+
+
 def test_status_is_written_without_following_links(tmp_path: Path):
     precious = tmp_path / "precious"
     precious.write_text("mine\n")
@@ -400,12 +428,14 @@ class _Served:
 
     def __init__(self) -> None:
         self.got: list[tuple[int, channel.Message]] = []
+        self.conns: list = []  # each connection's, in the order of their messages
         self.server = ControlServer(self._handle)
         self.sel = selectors.DefaultSelector()
         self.server.register(self.sel)
 
     def _handle(self, conn, msg: channel.Message) -> channel.Message | None:
         self.got.append((conn.pid, msg))
+        self.conns.append(conn)
         if isinstance(msg, channel.Hello) and msg.slot > 7:
             raise channel.ChannelError(f"hello from slot {msg.slot}, which this agent did "
                                        "not start")
@@ -415,8 +445,8 @@ class _Served:
         deadline = time.monotonic() + timeout
         while not until():
             assert time.monotonic() < deadline, "timed out"
-            for key, _ in self.sel.select(0.05):
-                self.server.on_event(key.data[1])
+            for key, events in self.sel.select(0.05):
+                self.server.on_event(key.data[1], events)
 
     def close(self) -> None:
         self.server.close()
@@ -482,6 +512,113 @@ def test_control_server_drops_bad_lines_and_serves_good_ones(shared_tmp: Path, s
         client.kill()
         client.wait()
     finally:
+        served.close()
+
+
+def test_a_client_that_does_not_read_never_blocks_the_agent(shared_tmp: Path, server_log,
+                                                           monkeypatch: pytest.MonkeyPatch):
+    """Replies to a client that does not read wait in its connection's buffer: every send
+    returns at once (they used to block the agent up to 5 s each, a recovery included:
+    four such clients held one up for 20 s); what was queued arrives whole and in order
+    once it reads; past MAX_PENDING unread bytes the connection is closed, one line."""
+    served = _Served()
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        client.connect(served.server.path)
+        client.sendall(channel.encode(channel.Migrate(rank=0)))
+        served.pump(lambda: served.conns)
+        conn = served.conns[0]
+        big = [channel.Reply(f"{i:04d}" + "x" * 1000) for i in range(800)]  # > the socket's
+        assert all(served.server.send(conn, m) for m in big)  # buffer: queued, not waited on
+        got = b""
+        client.setblocking(False)
+        want = b"".join(channel.encode(m) for m in [channel.Reply("ok: 0"), *big])
+        deadline = time.monotonic() + HANG_TIMEOUT
+        while len(got) < len(want):
+            assert time.monotonic() < deadline, "timed out"
+            for key, events in served.sel.select(0.01):
+                served.server.on_event(key.data[1], events)
+            with contextlib.suppress(BlockingIOError):
+                got += client.recv(1 << 16)
+        assert got == want
+        monkeypatch.setattr(control_server, "MAX_PENDING", 4096)
+        sent = [served.server.send(conn, m) for m in big]
+        assert False in sent and not any(sent[sent.index(False):])
+        assert any("has left" in m and "unread; closed its connection" in m
+                   for m in server_log), server_log
+    finally:
+        client.close()
+        served.close()
+
+
+HOLD_CONNECTIONS = """\
+import socket, sys
+socks = []
+for _ in range(int(sys.argv[2])):
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(sys.argv[1])
+    socks.append(s)
+print("connected", flush=True)
+sys.stdin.read()
+"""
+
+
+def _pump_until_quiet(served: _Served) -> int:
+    """Serve until the selector has nothing for a while; how many events it served."""
+    events, quiet = 0, 0
+    deadline = time.monotonic() + HANG_TIMEOUT
+    while quiet < 5:
+        assert time.monotonic() < deadline, f"still busy after {events} events: a spin"
+        ready = served.sel.select(0.05)
+        quiet = 0 if ready else quiet + 1
+        for key, mask in ready:
+            served.server.on_event(key.data[1], mask)
+            events += 1
+    return events
+
+
+@pytest.mark.parametrize("short_of", ["connections", "descriptors"])
+def test_too_many_connections_are_closed_with_one_line(shared_tmp: Path, server_log, short_of):
+    """40 connections held open by one process, beyond what the agent keeps (its cap, or
+    its descriptor limit): the surplus is closed unserved, one warning says so (out of
+    descriptors, the agent used to spin on the listening socket, a warning per turn),
+    and once they close, connections are served again."""
+    served = _Served()
+    holder = None
+    limits = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        holder = subprocess.Popen([sys.executable, "-c", HOLD_CONNECTIONS,
+                                   served.server.path, "40"],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert holder.stdout.readline() == b"connected\n"
+        if short_of == "connections":
+            served.server._max_conns = 10
+        else:
+            resource.setrlimit(resource.RLIMIT_NOFILE,
+                               (len(os.listdir("/proc/self/fd")) + 10, limits[1]))
+        events = _pump_until_quiet(served)
+        resource.setrlimit(resource.RLIMIT_NOFILE, limits)
+        kept = len(served.server._conns)
+        assert 0 < kept < 40 and events < 200, (kept, events)
+        refused = [m for m in server_log if "closing new connections unserved" in m]
+        assert len(refused) == 1, server_log
+        assert ("out of file descriptors" if short_of == "descriptors" else
+                "connections are open") in refused[0]
+        holder.stdin.close()
+        holder.wait(timeout=HANG_TIMEOUT)
+        _pump_until_quiet(served)
+        client = _client(served.server.path, [channel.encode(channel.Migrate(rank=3))])
+        served.pump(lambda: client.poll() is not None or any(
+            isinstance(m, channel.Migrate) and m.rank == 3 for _, m in served.got))
+        client.kill()
+        client.wait()
+        assert any(isinstance(m, channel.Migrate) and m.rank == 3 for _, m in served.got)
+        assert server_log[-1] == "control socket: taking connections again", server_log
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, limits)
+        if holder is not None and holder.poll() is None:
+            holder.kill()
+            holder.wait()
         served.close()
 
 
@@ -771,10 +908,9 @@ def test_a_full_temp_directory_costs_the_status_file_not_the_agent(small_disk, m
     try:
         status = control_files.AgentStatus("r", os.getpid(), 3, {0: 11}, [12])
         filler = small_disk / "filler"
-        with open(filler, "wb") as f, contextlib.suppress(OSError):
-            while True:
-                f.write(b"\0" * (64 << 10))
-                f.flush()
+        with open(filler, "wb", buffering=0) as f, contextlib.suppress(OSError):
+            while f.write(b"\0" * (64 << 10)):  # unbuffered: nothing left to flush at close
+                pass
         with caplog.at_level(logging.WARNING):
             served.server.write_status(status)
             served.server.write_status(status)

@@ -27,6 +27,8 @@ class _Exited:
     returncode: int | None
     error_file: str = ""
     exit_time: float | None = 1_700_000_000.5
+    log_files: tuple[str, ...] = ()
+    log_loss_said: bool = False
 
 
 def test_a_signal_death_without_error_file_says_which_signal():

@@ -364,6 +364,20 @@ def test_full_log_disk_on_restart_degrades_logging(workdir, test_env, small_disk
     assert "rank 1 started (restart 1)" in r.stdout  # the console took the attempt's output
 
 
+def test_a_worker_whose_log_disk_filled_up_is_reported_as_such(workdir, test_env, small_disk):
+    """-r 3 (both streams to files) on a log disk that fills up: the failing worker's
+    traceback cannot be written (ENOSPC) and is lost, as under torchrun; tp-run says so,
+    in a warning and in the failure summary, instead of a failure with no trace at all."""
+    fill(small_disk, keep_inodes=8)  # the run dir, attempt_0, 0/, its logs, error file
+    r = tp_run(workdir, test_env, ["--nproc-per-node", "1", "-r", "3", "--log-dir",
+                                   str(small_disk), "scripts/worker.py", "--fail-rank", "0",
+                                   "--fail-mode", "raise"])
+    assert r.returncode == 1, r.stderr
+    lines = [line for line in r.stderr.splitlines() if "attempt_0/0) are on a full disk" in line]
+    assert len(lines) == 2, r.stderr  # the warning, then the summary's traceback line
+    assert "rank 0 (pid" in lines[0] and "traceback included, is lost" in lines[0], r.stderr
+
+
 def test_unwritable_log_dir_is_one_line_error(workdir, test_env, small_disk):
     """A --log-dir on a read-only filesystem (EROFS: even root cannot write there)."""
     subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)

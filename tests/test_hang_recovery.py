@@ -242,16 +242,23 @@ def test_hang_everywhere_goes_to_the_spare_policy(workdir, test_env, reference, 
 
 
 @pytest.mark.slow
-def test_peers_whose_collective_timed_out_are_not_the_culprit(workdir, test_env, reference):
-    """A 2 s collective timeout, shorter than the 4 s hang timeout: the stopped rank's
-    healthy peers time out first and wait for the next generation; the board shows who
-    stopped, and that rank (only) is replaced; the survivors keep their processes."""
+@pytest.mark.parametrize("how", ["stop", "deadlock"])
+def test_peers_whose_collective_timed_out_are_not_the_culprit(workdir, test_env, reference,
+                                                              how):
+    """A 2 s collective timeout, shorter than the 6 s hang timeout, and the peers' own
+    give-up time (TP_RUN_RECOVERY_WAIT_S) shorter than both together: the hung rank's
+    healthy peers time out first and are told to wait for the verdict (they used to give
+    up first, exit 1 and be replaced as the failure, then their newcomers, until the job
+    stopped as a crash loop); the board shows who stopped, and that rank (only) is
+    replaced; the survivors keep their processes."""
     log_dir = workdir / "logs"
-    proc, out = launch(workdir, test_env, ["--nproc-per-node", "4", "--spares", "1",
-                                           "--log-dir", str(log_dir), "--hang-timeout", "4"],
-                       ["--hang", "2:9:forward:stop", "--collective-timeout", "2"])
+    proc, out = launch(workdir, {**test_env, "TP_RUN_RECOVERY_WAIT_S": "1"},
+                       ["--nproc-per-node", "4", "--spares", "1", "--log-dir", str(log_dir),
+                        "--hang-timeout", "6"],
+                       ["--hang", f"2:9:forward:{how}", "--collective-timeout", "2"])
     event = hang_recovered(proc, out, log_dir, reference, 2)
-    assert "no heartbeat" in event["failed"][0]["hang"]
+    assert ("no heartbeat" if how == "stop" else "behind its peers") in \
+        event["failed"][0]["hang"]
 
 
 @pytest.mark.slow

@@ -154,3 +154,11 @@ def test_all_waiting_means_every_rank_of_the_generation_waits():
     assert not hangs.all_waiting(waiting, 3)  # an older generation's wait: being handled
     assert not hangs.all_waiting({**waiting, 2: mark(gen=2)}, 2)  # one still trains
     assert not hangs.all_waiting({}, 2)
+
+
+def test_ranks_waiting_on_a_peer_are_the_ones_whose_collective_failed_alone():
+    waiting = {0: mark(stage=Stage.WAITING, gen=2), 1: mark(stage=Stage.WAITING, gen=2)}
+    assert hangs.waiting_on_a_peer({**waiting, 2: mark(gen=2)}, 2) == [0, 1]
+    assert hangs.waiting_on_a_peer(waiting, 2) == []  # everyone: a regroup, not a verdict
+    assert hangs.waiting_on_a_peer({**waiting, 2: mark(stage=Stage.FINISHED, gen=2)}, 2) == []
+    assert hangs.waiting_on_a_peer({**waiting, 2: mark(gen=3)}, 3) == []  # an older wait

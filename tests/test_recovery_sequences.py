@@ -19,7 +19,7 @@ import pytest
 from rendezvous import RendezvousInfo
 from tp_launch import channel
 from tp_launch.agent.attempt import Attempt, Proc
-from tp_launch.agent.control import World
+from tp_launch.agent.control import Generation, World
 from tp_launch.agent.decisions import Phase
 from tp_launch.agent.generations import LocalGenerations
 from tp_launch.agent.processes import missing_spares
@@ -284,6 +284,62 @@ def test_two_ranks_lost_before_the_only_spare_parked_wait_for_two_spares():
     assert n.at.gen.gen == 0  # one parked: not enough for two
     n.park()
     assert n.at.gen.gen == 1 and sorted(n.at.gen.replaced) == [1, 2] and not n.at.pending
+
+
+def exits_unseen(n: Node, *ranks: int) -> None:
+    """Ranks' processes die after the agent's last look: their exits are not judged."""
+    for rank in ranks:
+        n.at.procs[n.at.world.slot_of[rank]].worker.returncode = -9
+
+
+def test_a_rank_dead_but_unseen_when_a_generation_is_applied_keeps_its_slot():
+    """--spare-policy fail, one spare, ranks 0 and 1 killed together; the agent sees
+    rank 0's exit first. Rank 1's dead process keeps its rank in the generation that
+    replaces rank 0, and its exit, seen next, meets the policy. (It used to be released
+    and take the spare meant for rank 0, leaving rank 0 waiting for a spare whatever the
+    policy, and its exit then passed for a parked spare's death: exit 0 for a job that
+    had to stop.)"""
+    n = Node(ranks=3, spares=1, policy="fail")
+    spare = n.park()
+    exits_unseen(n, 1)
+    n.kill(0)
+    assert n.at.gen.replaced == [0]
+    assert n.at.world.slot_of == {0: spare, 1: 1, 2: 2} and not n.at.unplaced
+    assert [f["rank"] for f in n.at.recovery.failed] == [0]
+    with pytest.raises(StopJob) as stop:
+        n.rec.recover({1: n.at.world.node}, 101.0)  # rank 1's exit, judged
+    assert stop.value.final
+
+
+def test_a_rank_dead_but_unseen_then_seen_is_recovered_as_its_own_failure():
+    """The same race under --spare-policy wait: rank 1 waits for the replacement spare,
+    and one recovery report covers both failures."""
+    n = Node(ranks=3, spares=1, policy="wait")
+    spare = n.park()
+    exits_unseen(n, 1)
+    n.kill(0, t=100.0)
+    n.rec.recover({1: n.at.world.node}, 100.5)
+    assert n.at.pending.no_spare == {1: n.at.world.node}
+    second = n.park()
+    assert n.at.gen.gen == 2 and n.at.gen.replaced == [1]
+    assert n.at.world.slot_of == {0: spare, 1: second, 2: 2}
+    assert [f["rank"] for f in n.at.recovery.failed] == [0, 1]
+    assert n.at.recovery.detected == 100.0
+
+
+def test_a_dead_rank_an_outage_kept_out_of_the_generation_takes_a_spare_here():
+    """Multi-node: this node acted on rank 1's death, but the backend was away, and the
+    generation another node published does not name it. Applying it gives the rank this
+    node's parked spare at once."""
+    n = Node(ranks=3, spares=1)
+    spare = n.park()
+    n.at.failed.add(1)  # acted on (deferred: the backend was unreachable)
+    n.at.procs[1].worker.returncode = -9
+    g = n.at.gen
+    other = Generation(g.gen + 1, dict(g.ranks), g.store, [], "failure")
+    n.rec.apply(other, 100.0)
+    assert n.at.world.slot_of == {0: 0, 1: spare, 2: 2}
+    assert [f["rank"] for f in n.at.recovery.failed] == [1]
 
 
 def test_the_wait_for_a_spare_that_runs_out_says_so(capsys):

@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Iterator
@@ -494,13 +495,28 @@ def test_no_temp_directory_left_behind(workdir, test_env, tmp_path, outcome):
 
 
 @pytest.mark.slow
-def test_sigkill_to_agent_leaves_no_rank_or_spare(workdir, test_env):
-    with background(workdir, test_env, ["--nproc-per-node", "2", "--spares", "1", SCRIPT,
-                                        "--steps", "1000", "--step-sleep", "0.1"]) as (proc, _, _):
+def test_sigkill_to_agent_leaves_no_rank_or_spare(workdir, test_env, tmp_path, monkeypatch):
+    """No process survives (the test_env fixture's leak check); what the agent could not
+    remove (its control directory, its temporary log dir) the user's next agent does."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))  # where _parked looks
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    env = {k: v for k, v in test_env.items() if k != "XDG_RUNTIME_DIR"}
+    env["TMPDIR"] = str(tmp)
+    with background(workdir, env, ["--nproc-per-node", "2", "--spares", "1", SCRIPT,
+                                   "--steps", "1000", "--step-sleep", "0.1"]) as (proc, _, _):
         _wait(lambda: _parked(proc) >= 1, "a spare parks")
         proc.kill()
         proc.communicate(timeout=HANG_TIMEOUT)
-    # The test_env fixture's leak check fails the test if any rank or spare survived.
+    left = sorted(p.name.split("-")[0].split("_")[0] for p in tmp.iterdir()
+                  if not p.name.startswith("torchinductor_"))
+    assert left == ["torchelastic", "tp"], left
+    (tmp / "torchelastic_other").mkdir(mode=0o700)  # not tp-run's: kept
+    done = run_launcher(TP_RUN, ["--nproc-per-node", "1", "--no-python", "true"], env, workdir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    left = [p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_")]
+    assert left == ["torchelastic_other"], left
 
 
 @pytest.mark.cuda

@@ -10,6 +10,14 @@ in a control directory of its own, made by :func:`new_control_dir`:
 temp dir. No name there is predictable before the agent creates it, so nobody else can
 have created it first, and nothing in it can be reached by anyone else.
 
+A directory tp-run removes when it exits (a control directory, a temporary log
+directory) holds an owner file, ``.tp-run-owner``: the pid of the agent that made it and
+that process's start time in clock ticks since boot (``/proc/<pid>/stat``), which a reused
+pid does not share. An agent that was SIGKILLed cannot remove its own: the next agent of
+the same user removes them (:func:`remove_stale`) where the owner file names a process
+that is gone, in a directory :func:`check_private_dir` accepts. A directory with no owner
+file (another tool's, or one being made this instant) is never touched.
+
 Readers find the agents of *their own* user with :func:`find_agents`, which trusts a
 directory only when :func:`check_private_dir` accepts it (a real directory, not a link,
 owned by the caller, no access for group or others, in a parent nobody else can rename
@@ -25,9 +33,11 @@ import errno
 import glob
 import json
 import os
+import shutil
 import stat
 import tempfile
 from dataclasses import dataclass
+from typing import Iterable
 
 # A status file is a few hundred bytes per rank; anything much larger is not one.
 _READ_LIMIT = 4 * 1024 * 1024
@@ -89,10 +99,54 @@ def new_control_dir() -> str:
     path = tempfile.mkdtemp(prefix=_prefix(), dir=_bases()[0])
     try:
         check_private_dir(path)  # a TMPDIR others may write to without the sticky bit
-    except ControlFileError:
-        os.rmdir(path)
+        mark_owner(path)
+    except OSError:
+        shutil.rmtree(path, ignore_errors=True)
         raise
     return path
+
+
+OWNER_FILE = ".tp-run-owner"
+
+
+def _start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot); None if there is none."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            # The fields after the command name (which may hold spaces and parentheses):
+            # the 22nd field, starttime, is the 20th of them.
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def mark_owner(directory: str) -> None:
+    """Name this process as ``directory``'s owner (it removes it when it exits)."""
+    write_private(os.path.join(directory, OWNER_FILE),
+                  f"{os.getpid()} {_start_ticks(os.getpid())}".encode())
+
+
+def _owner_gone(directory: str) -> bool:
+    try:
+        pid, ticks = read_private(os.path.join(directory, OWNER_FILE), 64).split()
+        return _start_ticks(int(pid)) != int(ticks)
+    except (OSError, ValueError):
+        return False  # no owner file (or not tp-run's): not ours to remove
+
+
+def remove_stale(paths: Iterable[str]) -> list[str]:
+    """Remove those of ``paths`` that are private directories of this user whose owner
+    process is gone (a SIGKILLed agent's); the ones removed."""
+    removed = []
+    for path in paths:
+        try:
+            check_private_dir(path)
+        except OSError:
+            continue
+        if _owner_gone(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
 
 
 def control_dirs() -> list[str]:

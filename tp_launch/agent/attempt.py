@@ -75,6 +75,7 @@ class Attempt:
     unplaced: list[int] = field(default_factory=list)  # this node's ranks with no spare yet
     finished: set[int] = field(default_factory=set)  # ranks that finished training
     retired: set[int] = field(default_factory=set)  # slots of ranks that migrated away
+    failed: set[int] = field(default_factory=set)  # slots whose death was acted on
     first_failure: ProcessFailure | None = None
     last_view: float = 0.0  # monotonic: the last read of the job's state
     holders: set[int] = field(default_factory=set)  # ranks whose process holds the state
@@ -85,6 +86,8 @@ class Attempt:
     status_published: float = 0.0  # monotonic: the last node status sent to other nodes
     remote_read: float = 0.0  # monotonic: the last read of the other nodes' status
     hung: dict[int, str] = field(default_factory=dict)  # rank -> why it was killed as hung
+    # (generation, rank): told to wait for a hang verdict on a peer past its own limit.
+    told_to_wait: set[tuple[int, int]] = field(default_factory=set)
     origin: dict[int, int] = field(default_factory=dict)  # rank -> slot of its last holder
     # This node's ranks moved away on an advance warning: its spares take no rank.
     draining: bool = False

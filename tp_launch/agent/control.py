@@ -199,14 +199,20 @@ class World:
         if slot in self.parked:
             self.parked.remove(slot)
 
-    def apply(self, g: Generation, alive: Callable[[int], bool]) -> Placed:
+    def apply(self, g: Generation, failed: Callable[[int], bool]) -> Placed:
         """Take generation ``g``: a rank of this node keeps its slot unless it is
-        replaced or its process is gone; the others get parked spares (the
-        longest-parked first) or wait in ``unplaced``."""
+        replaced or ``failed`` (its process's failure was acted on: an outage kept it out
+        of ``g``); the others get parked spares (the longest-parked first) or wait in
+        ``unplaced``.
+
+        A process that died since the agent last looked is not ``failed`` yet: its rank
+        keeps the slot, and its exit, seen next, is a failure of that rank like any
+        other (``--spare-policy`` and all). Taking a spare for it here would let it
+        skip the policy, and its exit would then pass for a parked spare's death."""
         done = Placed()
         mine = set(g.ranks_of(self.node))
         for rank, slot in list(self.slot_of.items()):
-            if rank not in mine or rank in g.replaced or not alive(slot):
+            if rank not in mine or rank in g.replaced or failed(slot):
                 done.released[rank] = self.slot_of.pop(rank)
         for rank in sorted(mine - set(self.slot_of)):
             if self.parked:

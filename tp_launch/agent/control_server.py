@@ -14,9 +14,18 @@ removes it):
   start). A line that is not a valid message, a line over
   :data:`~tp_launch.channel.MAX_LINE`, or a rejected message is logged once (one line)
   and its connection closed; the job goes on.
-- A send never blocks the agent for long: a connection that takes no data for
-  :data:`SEND_TIMEOUT_S` is closed (its process is stuck or dying; its pidfd tells the
-  agent which).
+- A send never blocks the agent: connections are non-blocking, and what the socket
+  does not take at once waits in the connection's own buffer, written as the selector
+  says the socket can take more. A connection with more than :data:`MAX_PENDING` bytes
+  unread is closed (a client that never reads its replies, or a process that is stuck
+  or dying: its pidfd tells the agent which). A recovery never waits on a client.
+- File descriptors are the agent's to spawn spares with: it keeps at most
+  :func:`max_connections` connections (a quarter of its descriptor limit, at most 1024)
+  and closes any beyond at once. Out of descriptors all the same (EMFILE: other
+  processes' doing, or a low ``ulimit -n``), it closes the waiting connection with a
+  descriptor it holds in reserve for that, so the listening socket does not stay
+  readable (the agent used to spin on it, a warning per turn). Either is one warning
+  line while it lasts and one when connections are taken again.
 - ``<pid>.sock.json``: the agent's status (:meth:`write_status`, written atomically
   without following links: :func:`tp_launch.control_files.write_private`);
   ``<pid>.progress``: the progress board (:attr:`board`).
@@ -24,9 +33,11 @@ removes it):
 
 from __future__ import annotations
 
+import errno
 import glob
 import logging
 import os
+import resource
 import selectors
 import socket
 from dataclasses import dataclass, field
@@ -35,6 +46,7 @@ from typing import Callable
 from tp_launch import channel, progress
 from tp_launch.config import ConfigError
 from tp_launch.control_files import (
+    OWNER_FILE,
     AgentStatus,
     agent_progress_board,
     agent_socket,
@@ -45,9 +57,9 @@ from tp_launch.control_files import (
 
 logger = logging.getLogger(__name__)
 
-# How long a send may wait for a connection that does not read (the socket buffer holds
-# hundreds of messages: a live worker never gets near it).
-SEND_TIMEOUT_S = 5.0
+# What a connection may leave unread beyond the socket's own buffer (which holds hundreds
+# of messages: a live worker never gets near it; a status reply is a few KiB).
+MAX_PENDING = 1 << 20
 
 
 @dataclass(eq=False)
@@ -58,9 +70,16 @@ class Conn:
     pid: int
     uid: int
     reader: channel.LineReader = field(default_factory=channel.LineReader)
+    unsent: bytearray = field(default_factory=bytearray)  # whole lines, the first in part
 
 
 Handler = Callable[[Conn, channel.Message], "channel.Message | None"]
+
+
+def max_connections() -> int:
+    """How many connections the agent keeps open at once."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return max(16, min(1024, soft // 4 if soft != resource.RLIM_INFINITY else 1024))
 
 
 class ControlServer:
@@ -81,6 +100,9 @@ class ControlServer:
         self._server: socket.socket | None = None
         self._board: progress.ProgressBoard | None = None
         self._status_failing = False  # the last status write failed (said once)
+        self._refusing = False  # connections are being closed unserved (said once)
+        self._max_conns = max_connections()
+        self._reserve: int | None = None  # a descriptor to free for closing a connection
         try:
             self.directory = new_control_dir()
         except OSError as e:
@@ -94,6 +116,7 @@ class ControlServer:
             os.chmod(self.path, 0o600)
             self._server.listen(256)
             self._server.setblocking(False)
+            self._reserve = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         except BaseException as e:
             self.close()
             if isinstance(e, OSError):
@@ -113,26 +136,29 @@ class ControlServer:
         self._sel = sel
         sel.register(self._server, selectors.EVENT_READ, (self.KIND, None))
 
-    def on_event(self, conn: Conn | None) -> None:
+    def on_event(self, conn: Conn | None, events: int = selectors.EVENT_READ) -> None:
+        """``events``: the selector's mask for ``conn`` (readable, writable or both)."""
         if conn is None:
             self._accept()
-        else:
+            return
+        if events & selectors.EVENT_WRITE:
+            self._flush(conn)
+        if events & selectors.EVENT_READ and conn in self._conns:
             self._read(conn)
 
     def send(self, conn: Conn | None, msg: channel.Message) -> bool:
-        """Send ``msg`` on ``conn``; False if it is gone (then it is closed)."""
+        """Queue ``msg`` on ``conn`` and write what the socket takes now; False if the
+        connection is gone or was closed for leaving too much unread."""
         if conn is None or conn not in self._conns:
             return False
-        try:
-            channel.send(conn.sock, msg)
-            return True
-        except TimeoutError:
-            logger.warning("control socket: pid %s has not read its messages for %.0f s; "
-                           "closed its connection", conn.pid, SEND_TIMEOUT_S)
-        except OSError:
-            pass  # it is dying: its pidfd says so in a moment
-        self._drop(conn)  # a partly sent line must not be followed by another
-        return False
+        line = channel.encode(msg)
+        if len(conn.unsent) + len(line) > MAX_PENDING:
+            logger.warning("control socket: pid %s has left %d bytes unread; closed its "
+                           "connection", conn.pid, len(conn.unsent))
+            self._drop(conn)
+            return False
+        conn.unsent += line
+        return self._flush(conn)
 
     def write_status(self, status: AgentStatus) -> None:
         """The status file, for ``tp-run status/migrate`` and ``parked_spares()``. A
@@ -157,11 +183,15 @@ class ControlServer:
             self._drop(conn)
         if self._server is not None:
             self._server.close()
+        if self._reserve is not None:
+            os.close(self._reserve)
+            self._reserve = None
         board = self._board
         if board is not None:
             board.close()
         records = glob.glob(glob.escape(board.path) + ".slot*") if board is not None else []
         for path in (self.path, status_path(self.path),
+                     os.path.join(self.directory, OWNER_FILE),
                      board.path if board is not None else None, *records):
             try:
                 if path is not None:
@@ -181,9 +211,20 @@ class ControlServer:
             sock, _ = self._server.accept()
         except (BlockingIOError, InterruptedError):
             return
-        except OSError as e:  # out of file descriptors, say: the next accept may do
-            logger.warning("control socket: cannot accept a connection: %s", e)
+        except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE):
+                self._refuse_without_descriptor(e)
+            else:
+                logger.warning("control socket: cannot accept a connection: %s", e)
             return
+        if len(self._conns) >= self._max_conns:
+            self._refuse(f"{len(self._conns)} connections are open, the most this agent "
+                         "keeps")
+            sock.close()
+            return
+        if self._refusing:
+            self._refusing = False
+            logger.warning("control socket: taking connections again")
         try:
             pid, uid, _ = channel.peer_credentials(sock)
         except OSError as e:
@@ -195,7 +236,7 @@ class ControlServer:
                            "(only uid %s may connect)", pid, uid, os.getuid())
             sock.close()  # unanswered: ``tp-run migrate`` says why on its own side
             return
-        sock.settimeout(SEND_TIMEOUT_S)  # for sends: reads only follow a readable event
+        sock.setblocking(False)  # reads follow a readable event; sends: _flush
         conn = Conn(sock, pid, uid)
         self._conns.add(conn)
         self._sel.register(sock, selectors.EVENT_READ, (self.KIND, conn))
@@ -203,6 +244,8 @@ class ControlServer:
     def _read(self, conn: Conn) -> None:
         try:
             data = conn.sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
         except OSError:
             data = b""
         if not data:
@@ -219,6 +262,49 @@ class ControlServer:
             logger.warning("control socket: bad message from pid %s (%s); closed its "
                            "connection", conn.pid, e)
             self._drop(conn)
+
+    def _refuse(self, why: str) -> None:
+        if not self._refusing:
+            self._refusing = True
+            logger.warning("control socket: %s; closing new connections unserved until "
+                           "some close", why)
+
+    def _refuse_without_descriptor(self, e: OSError) -> None:
+        """Out of descriptors: close the waiting connection with the reserve one."""
+        assert self._server is not None
+        self._refuse(f"out of file descriptors ({e.strerror})")
+        if self._reserve is None:
+            return
+        os.close(self._reserve)
+        self._reserve = None
+        try:
+            self._server.accept()[0].close()
+        except OSError:
+            pass
+        try:
+            self._reserve = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            pass  # taken meanwhile: the next turn tries again
+
+    def _flush(self, conn: Conn) -> bool:
+        """Write what the socket takes of ``conn``'s unsent lines; watch for it to take
+        the rest. False if the connection is gone (then it is closed)."""
+        try:
+            while conn.unsent:
+                conn.unsent = conn.unsent[conn.sock.send(conn.unsent):]
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError:
+            self._drop(conn)  # it is dying: its pidfd says so in a moment
+            return False
+        if self._sel is not None:
+            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.unsent else 0)
+            try:
+                if self._sel.get_key(conn.sock).events != events:
+                    self._sel.modify(conn.sock, events, (self.KIND, conn))
+            except (KeyError, ValueError, RuntimeError):
+                pass  # the selector is closed already
+        return True
 
     def _drop(self, conn: Conn) -> None:
         if conn not in self._conns:

@@ -24,6 +24,8 @@ from datetime import datetime
 from string import Template
 from typing import TYPE_CHECKING, Any
 
+from tp_launch.procs.worker import on_a_full_disk
+
 if TYPE_CHECKING:
     from tp_launch.procs.worker import WorkerProcess
 
@@ -98,9 +100,19 @@ class ProcessFailure:
     def of_exit(cls, worker: WorkerProcess, rank: int) -> ProcessFailure:
         """The failure of ``worker``, which held global ``rank`` (-1: a spare) and exited
         with a non-zero status."""
-        return cls(rank=rank, local_rank=worker.local_rank, pid=worker.pid,
-                   exitcode=worker.returncode or 0, error_file=worker.error_file,
-                   observed=worker.exit_time or time.time())
+        failure = cls(rank=rank, local_rank=worker.local_rank, pid=worker.pid,
+                      exitcode=worker.returncode or 0, error_file=worker.error_file,
+                      observed=worker.exit_time or time.time())
+        full = on_a_full_disk(worker.log_files)
+        if full is not None and not failure.has_error_file:
+            failure.message = (f"its log files ({os.path.dirname(full)}) are on a full "
+                               "disk: what it wrote there last, its traceback included, "
+                               "is lost")
+            if not worker.log_loss_said:  # a failure is built more than once
+                worker.log_loss_said = True
+                logger.warning("rank %s (pid %s) exited with code %s; %s", rank, worker.pid,
+                               failure.exitcode, failure.message)
+        return failure
 
     @property
     def signal_name(self) -> str:

@@ -39,6 +39,11 @@ new generation that no death will bring: :func:`all_waiting` says so, and the ag
 announces the same placement again (single node; across nodes the ranks give up after
 ``RECOVERY_WAIT_S`` and are replaced as dead ones).
 
+A rank whose collective timed out while a peer's did not (the script's group timeout
+shorter than the hang limit) waits for the verdict on that peer: the agent tells it so
+(:func:`waiting_on_a_peer`), so that its own give-up time never makes it the one that
+fails.
+
 **A plain script** (one that does not use ``tp_launch.resilient``: no board) has only its
 output to show: :class:`OutputClock` says how long no worker of the node wrote anything
 (``/proc/<pid>/io``); past ``--hang-timeout`` (given explicitly: a quiet script is not
@@ -148,6 +153,17 @@ def all_waiting(marks: dict[int, Mark], gen: int) -> bool:
     a new generation)."""
     return bool(marks) and all(m.stage == Stage.WAITING and m.gen == gen
                                for m in marks.values())
+
+
+def waiting_on_a_peer(marks: dict[int, Mark], gen: int) -> list[int]:
+    """Ranks whose collective failed in generation ``gen`` while a peer's did not: a
+    group timeout shorter than the hang limit. The hang verdict on that peer is to come
+    (at the limit): they must wait for it, past their own give-up time
+    (``TP_RUN_RECOVERY_WAIT_S``), or they would fail first and be blamed for the
+    peer's hang (a healthy rank replaced, then its newcomer, then a "crash loop")."""
+    waiting = sorted(r for r, m in marks.items() if m.stage == Stage.WAITING and m.gen == gen)
+    others = [m for r, m in marks.items() if r not in waiting and m.stage != Stage.FINISHED]
+    return waiting if others else []
 
 
 @dataclass

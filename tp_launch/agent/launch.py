@@ -17,8 +17,9 @@ from rendezvous import RendezvousError, create_handler
 from tp_launch.agent.node_agent import NodeAgent, SignalReceived, SignalWatch
 from tp_launch.agent.resilient_agent import ResilientAgent
 from tp_launch.config import ConfigError, LaunchConfig
+from tp_launch.control_files import control_dirs, remove_stale
 from tp_launch.procs.guardian import GUARDIAN
-from tp_launch.procs.logs import LogLayout
+from tp_launch.procs.logs import LogLayout, temp_log_dirs
 from tp_launch.procs.worker import ignore_in_workers
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,9 @@ def run_agent(config: LaunchConfig) -> int:
 
 def _run_agent(config: LaunchConfig, watch: SignalWatch) -> int:
     layout: LogLayout | None = None
+    # What an agent of this user that was SIGKILLed left (it removes its own otherwise).
+    for path in remove_stale([*control_dirs(), *temp_log_dirs()]):
+        logger.info("removed %s, left by a tp-run agent that is gone", path)
     try:
         layout = LogLayout(config, config.run_id)  # an unusable --log-dir: exit 2 up front
         with watch.interruptible():  # reaching the rendezvous service can take a while

@@ -115,6 +115,8 @@ class Recoverer:
         backend unreachable: defer the generation until it answers. ``view``: the job's
         state if the caller has just read it (multi-node)."""
         at = self.attempt
+        at.failed |= {at.world.slot_of[r] for r, n in lost.items()
+                      if n == at.world.node and r in at.world.slot_of}
         lost = {**at.pending.ranks, **lost}
         if not lost:
             return
@@ -189,8 +191,8 @@ class Recoverer:
         before = dict(world.slot_of)
         # This node's dead ranks: another node's generation gives them this node's
         # spares even where it was decided without this node's word (an outage).
-        dead_here = {r: at.failed_record(r) for r, s in before.items() if not at.alive(s)}
-        placed = world.apply(g, at.alive)
+        dead_here = {r: at.failed_record(r) for r, s in before.items() if s in at.failed}
+        placed = world.apply(g, at.failed.__contains__)
         at.gen = g
         at.unplaced = placed.unplaced
         if placed.promoted:

@@ -265,12 +265,12 @@ class ResilientAgent(NodeAgent):
             timeout = max(cfg.monitor_interval, 0.01)
             exited: list[Proc] = []
             world_changed = False
-            for key, _ in at.sel.select(timeout=timeout):
+            for key, events in at.sel.select(timeout=timeout):
                 kind, obj = key.data
                 if kind == "signal":
                     watch.drain()
                 elif kind == ControlServer.KIND:
-                    at.control.on_event(obj)
+                    at.control.on_event(obj, events)
                 elif kind == "world":
                     world_changed = True
                 elif kind == "exit" and obj.worker.returncode is not None:

@@ -30,6 +30,7 @@ import logging
 import time
 from typing import Callable
 
+from tp_launch import channel
 from tp_launch.agent import hangs
 from tp_launch.agent.attempt import Attempt
 from tp_launch.agent.processes import Processes
@@ -82,6 +83,10 @@ class Watchdog:
             if now - at.clock.since > _REGROUP_AFTER_S:
                 recoverer.regroup()
             return
+        for rank in hangs.waiting_on_a_peer(marks, at.world.gen) if self.policy.enabled else []:
+            if (at.world.gen, rank) not in at.told_to_wait:
+                at.told_to_wait.add((at.world.gen, rank))
+                at.tell(at.world.slot_of[rank], channel.Recovering())
         verdict = hangs.assess(self.policy, now, marks, idle, at.clock.step_s,
                                at.clock.committed)
         if not single and (verdict is None or verdict.kind == "everywhere") \

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from string import Template
 from typing import IO, TYPE_CHECKING, Callable, TextIO
 
+from tp_launch import control_files
 from tp_launch.config import ConfigError, LaunchConfig, Std
 
 if TYPE_CHECKING:  # torch only where a --logs-specs plugin is used
@@ -53,6 +54,14 @@ if TYPE_CHECKING:  # torch only where a --logs-specs plugin is used
 logger = logging.getLogger(__name__)
 
 _TAIL_INTERVAL = 0.1
+TEMP_LOG_PREFIX = "torchelastic_"  # torchrun's name for the temporary log dir
+
+
+def temp_log_dirs() -> list[str]:
+    """The temporary log dirs in the temp dir (this and other tools')."""
+    base = tempfile.gettempdir()
+    return sorted(os.path.join(base, n) for n in os.listdir(base)
+                  if n.startswith(TEMP_LOG_PREFIX))
 
 
 @dataclass
@@ -111,8 +120,10 @@ class LogLayout:
         base = config.log_dir
         try:
             if base is None:
-                base = self._temp_base = tempfile.mkdtemp(prefix="torchelastic_")
+                base = self._temp_base = tempfile.mkdtemp(prefix=TEMP_LOG_PREFIX)
                 logger.info("log directory set to: %s", base)
+                if not self._kept():
+                    control_files.mark_owner(base)  # removed by close(), or the next agent
             elif os.path.isfile(base):
                 raise ConfigError(f"--log-dir {base} is a file")
             os.makedirs(base, exist_ok=True)
@@ -227,12 +238,15 @@ class LogLayout:
                 dest.error_files.get(r, ""))
         return logs
 
+    def _kept(self) -> bool:
+        """The temporary log dir holds logs the user asked for (redirects, tee)."""
+        cfg = self._config
+        return any(cfg.redirects.values()) or any(cfg.tee.values())
+
     def close(self) -> None:
         """tp-run exits: drop the temporary log dir (error files, spare logs: nothing the
         user asked for), unless streams were redirected or tee'd into it."""
-        cfg = self._config
-        asked = any(cfg.redirects.values()) or any(cfg.tee.values())
-        if self._temp_base is not None and not asked:
+        if self._temp_base is not None and not self._kept():
             shutil.rmtree(self._temp_base, ignore_errors=True)
             self._temp_base = None
 

@@ -13,7 +13,10 @@ thread only. The processes a worker starts itself are covered by the agent's gua
 A preemption notice (``--on-preempt``, :mod:`tp_launch.agent.advance`) is for the agent:
 a scheduler may send it to every process of the job (Slurm's ``--signal`` signals the
 whole step), so workers start with it ignored (:func:`ignore_in_workers`; a script may
-still install its own handler).
+still install its own handler). When the notice is the signal workers are stopped with
+(``--preempt-signal TERM``), :func:`stop_workers` does not wait for a worker that still
+ignores it (the kernel's ``SigIgn`` mask says so): such a stop used to wait out the whole
+shutdown timeout before its SIGKILL.
 """
 
 from __future__ import annotations
@@ -72,6 +75,8 @@ class WorkerProcess:
         self.local_rank = local_rank
         self.error_file = env.get("TORCHELASTIC_ERROR_FILE", "")
         self._files: list[IO] = []
+        self.log_files: list[str] = []  # the files its streams go to
+        self.log_loss_said = False  # a full log disk's loss was reported
         out: Any = subprocess.PIPE
         err: Any = subprocess.PIPE
         if not piped:
@@ -101,7 +106,9 @@ class WorkerProcess:
             log_write_failed(path, e)
             return None
         self._files.append(f)
+        self.log_files.append(path)
         return f
+
 
     @property
     def returncode(self) -> int | None:
@@ -200,6 +207,31 @@ def abort_with_stacks(workers: list[WorkerProcess], wait_s: float = 2.0) -> None
             w.signal_group(signal.SIGKILL)
 
 
+def on_a_full_disk(paths: list[str]) -> str | None:
+    """The first of ``paths`` on a disk with no room left, if any: what a worker wrote to
+    it since (a traceback, say) was lost, ENOSPC, and nobody saw it."""
+    for path in paths:
+        try:
+            st = os.statvfs(path)
+        except OSError:
+            continue
+        if (st.f_bfree if os.geteuid() == 0 else st.f_bavail) == 0:  # root's reserve
+            return path
+    return None
+
+
+def ignores(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` ignores ``sig`` now (False if it cannot be told)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigIgn:"):
+                    return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
 def stop_workers(workers: list[WorkerProcess], sig: int, timeout: float,
                  level: int = logging.WARNING) -> None:
     """Send ``sig`` to every live worker's group, wait up to ``timeout``, then SIGKILL.
@@ -215,13 +247,15 @@ def stop_workers(workers: list[WorkerProcess], sig: int, timeout: float,
         w.signal_group(sig)
     deadline = time.monotonic() + timeout
     for w in live:
+        if sig in _ignored and ignores(w.pid, sig):
+            continue  # started ignoring the notice, and never took it back: SIGKILL now
         remaining = max(0.0, deadline - time.monotonic())
         try:
             w.popen.wait(remaining)
         except subprocess.TimeoutExpired:
             pass
     for w in workers:
-        if w.returncode is None:
+        if w.returncode is None and not (sig in _ignored and ignores(w.pid, sig)):
             logger.warning("Process %s did not stop within %ss; sending SIGKILL", w.pid, timeout)
         # Also clears helpers a worker left in its group after it exited itself.
         w.signal_group(signal.SIGKILL)
