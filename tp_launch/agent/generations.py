@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from rendezvous import RendezvousError, RendezvousHandler, RendezvousInfo, bounded_json
 from rendezvous.handler import MembershipRendezvous
 from rendezvous.kv import KVError, KVUnavailable
+from rendezvous.state import StateError
 from rendezvous.store_host import StoreHost
 from tp_launch.agent.control import Generation
 
@@ -283,18 +284,23 @@ class SharedGenerations:
             state, _ = m.read_state()
             alive = m.alive_members()
             finished = m.finished()
+            assert m.world is not None
+            if state is None or state.round != m.world.round:
+                why = "the rendezvous state disappeared" if state is None else \
+                    state.failed or state.reason
+                return View(Generation(-1, {}, self.store), alive, [], finished, failed=why)
+            generation = self._generation(state)
         except KVUnavailable:
             raise
+        except StateError as e:
+            # Not a refusal that passes: the job's document is gone for good (forged or
+            # corrupted under its prefix). This node's world is lost, loudly.
+            return View(Generation(-1, {}, self.store), set(), [], {},
+                        broken=f"the job's state document is malformed ({e})")
         except KVError as e:
             logger.warning("rendezvous: cannot read the job's state: %s", e)
             return None
-        assert m.world is not None
-        if state is None or state.round != m.world.round:
-            why = "the rendezvous state disappeared" if state is None else \
-                state.failed or state.reason
-            return View(Generation(-1, {}, self.store), alive, [], finished, failed=why)
-        return View(self._generation(state), alive,
-                    [n for n in state.spare_ids if n in alive], finished,
+        return View(generation, alive, [n for n in state.spare_ids if n in alive], finished,
                     failed=state.failed, final=state.final,
                     complete=state.phase == "complete", broken=m.broken)
 
