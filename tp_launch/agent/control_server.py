@@ -116,7 +116,7 @@ class ControlServer:
             os.chmod(self.path, 0o600)
             self._server.listen(256)
             self._server.setblocking(False)
-            self._reserve = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+            self._reserve = self._open_reserve()
         except BaseException as e:
             self.close()
             if isinstance(e, OSError):
@@ -282,9 +282,13 @@ class ControlServer:
         except OSError:
             pass
         try:
-            self._reserve = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+            self._reserve = self._open_reserve()
         except OSError:
             pass  # taken meanwhile: the next turn tries again
+
+    @staticmethod
+    def _open_reserve() -> int:
+        return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
 
     def _flush(self, conn: Conn) -> bool:
         """Write what the socket takes of ``conn``'s unsent lines; watch for it to take

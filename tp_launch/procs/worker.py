@@ -109,7 +109,6 @@ class WorkerProcess:
         self.log_files.append(path)
         return f
 
-
     @property
     def returncode(self) -> int | None:
         """The exit status once reaped: negative for a signal, as in subprocess.
@@ -245,17 +244,19 @@ def stop_workers(workers: list[WorkerProcess], sig: int, timeout: float,
             logger.log(level, "Sending process %s closing signal %s", w.pid,
                        signal.Signals(sig).name)
         w.signal_group(sig)
+    # Started ignoring the notice and never took it back: SIGKILLed without a wait.
+    deaf = {w.pid for w in live if sig in _ignored and ignores(w.pid, sig)}
     deadline = time.monotonic() + timeout
     for w in live:
-        if sig in _ignored and ignores(w.pid, sig):
-            continue  # started ignoring the notice, and never took it back: SIGKILL now
+        if w.pid in deaf:
+            continue
         remaining = max(0.0, deadline - time.monotonic())
         try:
             w.popen.wait(remaining)
         except subprocess.TimeoutExpired:
             pass
     for w in workers:
-        if w.returncode is None and not (sig in _ignored and ignores(w.pid, sig)):
+        if w.returncode is None and w.pid not in deaf:
             logger.warning("Process %s did not stop within %ss; sending SIGKILL", w.pid, timeout)
         # Also clears helpers a worker left in its group after it exited itself.
         w.signal_group(signal.SIGKILL)
