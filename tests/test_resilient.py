@@ -160,13 +160,16 @@ def test_kill_donor_during_transfer(workdir, test_env, reference):
 
 
 def _spares(marker: str) -> list[psutil.Process]:
+    """The job's spares: started as the script with TP_RUN_SPARE=1, or forked from the
+    spare template (whose command line and initial environment they show)."""
     found = []
     for p in marked_processes(marker):
         try:
             env = p.environ()
-            if env.get("TP_RUN_SPARE") == "1" and "resilient_train.py" in " ".join(p.cmdline()):
+            if env.get("TP_RUN_SPARE") == "1" and "resilient_train.py" in " ".join(p.cmdline()) \
+                    or "tp_launch.procs.template" in " ".join(p.parent().cmdline()):
                 found.append(p)
-        except psutil.Error:
+        except (psutil.Error, AttributeError):  # AttributeError: no parent any more
             continue
     return found
 

@@ -25,10 +25,11 @@ from tp_launch.agent.attempt import Attempt, Proc
 from tp_launch.agent.control import SpareRestarts
 from tp_launch.agent.decisions import spares_to_start
 from tp_launch.agent.failures import exit_description
-from tp_launch.agent.worker_env import spare_env, worker_argv, worker_env
+from tp_launch.agent.worker_env import spare_env, without_agent_secrets, worker_argv, worker_env
 from tp_launch.config import ConfigError, LaunchConfig
+from tp_launch.procs import template
 from tp_launch.procs.logs import LogLayout, RankLogs, SpareOutput
-from tp_launch.procs.worker import WorkerProcess, signal_main_thread, stop_workers
+from tp_launch.procs.worker import WorkerProcess, signal_main_thread, spawn, stop_workers
 from tp_launch.worker_settings import SettingsError, WorkerSettings, recovery_wait_from
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,8 @@ class Processes:
         self.opted_in = False
         self._restarts = SpareRestarts()
         self._said_unused = False
+        # Spares are forked from it once the script opted in (tp_launch.procs.template).
+        self.template: template.SpareTemplate | None = None
         try:  # the ranks' wait for a generation, which this agent's decisions allow for
             self.recovery_wait_s = recovery_wait_from()
         except SettingsError as e:
@@ -89,7 +92,8 @@ class Processes:
             spare=spare, recovery_wait_s=self.recovery_wait_s).to_env())
         argv = worker_argv(cfg, device)
         try:
-            worker = WorkerProcess(argv, env, rl.stdout, rl.stderr, device, piped=spare)
+            worker = WorkerProcess(argv, env, rl.stdout, rl.stderr, device, piped=spare,
+                                   template=self.template if spare else None)
         except OSError as e:
             raise ConfigError(f"cannot start {argv[0]}: {e.strerror or e}") from None
         self.workers.append(worker)
@@ -110,10 +114,30 @@ class Processes:
         young deaths says wait."""
         if not at.spares_wanted or at.exiting or not self._restarts.ready(time.monotonic()):
             return
-        for _ in range(missing_spares(at)):
+        n = missing_spares(at)
+        if n and self._template_starting():
+            return  # the next tick
+        for _ in range(n):
             slot = at.next_slot
             at.next_slot += 1
             self.spawn(at, slot, self.layout.spare_logs(at.logs, slot), spare=True)
+
+    def _template_starting(self) -> bool:
+        """Start the spare template for the first spare, where it can serve; whether it
+        is still importing (spares wait for it, a few seconds at the job's start)."""
+        argv = worker_argv(self.config, 0)
+        if self.template is None and template.forkable(argv) \
+                and os.environ.get(template.ENV_SWITCH, "1") != "0":
+            self.template = template.SpareTemplate(
+                argv[0], without_agent_secrets(os.environ),
+                lambda a, env, fds: spawn(a, env, subprocess.DEVNULL, None, fds))
+        return self.template is not None and self.template.starting()
+
+    def close(self) -> None:
+        """The job is over, every process stopped: stop the spare template."""
+        if self.template is not None:
+            self.template.close()
+            self.template = None
 
     def spare_died(self, at: Attempt, proc: Proc) -> None:
         """A spare (parked or still starting) died while the job goes on: report it (the

@@ -132,6 +132,7 @@ class ResilientAgent(NodeAgent):
         try:
             return super().run(watch)
         finally:
+            self.processes.close()
             if self.health is not None:
                 self.health.stop()
 

@@ -58,6 +58,11 @@ class Guardian:
             except OSError:
                 pass
 
+    def watch(self, pgid: int) -> None:
+        """Register a group the agent did not fork itself (a spare the template forked,
+        :mod:`tp_launch.procs.template`, which dies with the template until then)."""
+        self._send(f"+{pgid}\n")
+
     def forget(self, pgid: int) -> None:
         self._send(f"-{pgid}\n")
 

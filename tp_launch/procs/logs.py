@@ -37,13 +37,12 @@ import collections
 import logging
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
 from dataclasses import dataclass, field
 from string import Template
-from typing import IO, TYPE_CHECKING, Callable, TextIO
+from typing import IO, TYPE_CHECKING, Any, Callable, TextIO
 
 from tp_launch import control_files
 from tp_launch.config import ConfigError, LaunchConfig, Std
@@ -368,7 +367,7 @@ class SpareOutput:
         rl: its log files (None: none).
     """
 
-    def __init__(self, popen: subprocess.Popen, rl: RankLogs) -> None:
+    def __init__(self, popen: Any, rl: RankLogs) -> None:
         self._console: dict[str, str | None] = {"stdout": None, "stderr": None}
         self._stderr_tail: collections.deque[str] = collections.deque(maxlen=20)
         self.stderr_path = rl.stderr

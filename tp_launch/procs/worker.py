@@ -28,10 +28,11 @@ import resource
 import signal
 import subprocess
 import time
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from tp_launch.procs.guardian import GUARDIAN
 from tp_launch.procs.logs import log_write_failed
+from tp_launch.procs.template import SpareTemplate, forkable
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,28 @@ def _die_with_parent(parent_pid: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def spawn(argv: list[str], env: dict[str, str], stdout: Any, stderr: Any,
+          pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
+    """Start a worker (or the spare template) in a session of its own, tied to the agent."""
+    agent_pid = os.getpid()
+    return subprocess.Popen(argv, env=env, stdout=stdout, stderr=stderr, pass_fds=pass_fds,
+                            start_new_session=True,
+                            preexec_fn=lambda: _die_with_parent(agent_pid))
+
+
+class Child(Protocol):
+    """What the agent uses of a worker's process: a :class:`subprocess.Popen`, or a
+    :class:`~tp_launch.procs.template.ForkedChild`."""
+
+    pid: int
+    stdout: IO[bytes] | None
+    stderr: IO[bytes] | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
 class WorkerProcess:
     """A spawned worker and the files its streams go to.
 
@@ -68,10 +91,13 @@ class WorkerProcess:
         local_rank: the worker's local rank (for messages).
         piped: both streams go to pipes the agent reads (``popen.stdout``/``stderr``)
             instead; ``stdout``/``stderr`` are then ignored.
+        template: fork it from this spare template where it can
+            (:mod:`tp_launch.procs.template`; piped workers only).
     """
 
     def __init__(self, argv: list[str], env: dict[str, str], stdout: str | None,
-                 stderr: str | None, local_rank: int, piped: bool = False) -> None:
+                 stderr: str | None, local_rank: int, piped: bool = False,
+                 template: SpareTemplate | None = None) -> None:
         self.local_rank = local_rank
         self.error_file = env.get("TORCHELASTIC_ERROR_FILE", "")
         self._files: list[IO] = []
@@ -81,15 +107,14 @@ class WorkerProcess:
         err: Any = subprocess.PIPE
         if not piped:
             out, err = self._open(stdout), self._open(stderr)
-        agent_pid = os.getpid()
-        self.popen = subprocess.Popen(
-            argv,
-            env=env,
-            stdout=out,
-            stderr=err,
-            start_new_session=True,
-            preexec_fn=lambda: _die_with_parent(agent_pid),
-        )
+        forked = None
+        if template is not None and piped and forkable(argv) and template.usable_for(env):
+            forked = template.fork(argv, env, _ignored)
+        if forked is not None:
+            GUARDIAN.watch(forked.pid)
+            self.popen: Child = forked
+        else:
+            self.popen = spawn(argv, env, out, err)
         self.pid = self.popen.pid
         self.started = time.time()
         self.exit_time: float | None = None

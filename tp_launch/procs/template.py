@@ -1,0 +1,388 @@
+"""The spare template: spares forked from a process that has imported torch already.
+
+A spare is the training script started like a rank and parked in
+``tp_launch.resilient.run()``. Started as a new process (``python -u script.py``) it
+spends most of its start importing: about 2.5 s of CPU for torch and 1.7 s more for
+``torch._dynamo`` (which the first ``torch.optim`` constructor imports), taken from the
+training ranks beside it, once at the job's start and again after every recovery (the
+replacement spare). Once the script opts in (a rank said hello), the agent starts one
+*template* per node instead: a Python process that imports what every resilient script
+imports (:data:`PRELOAD`) and waits. Each spare is forked from it, takes the spare's
+environment, command line, working directory and output pipes, and runs the script as
+``__main__`` (:func:`runpy.run_path`): the same script, with its imports already made
+(copy-on-write pages, no CPU). The rest of a spare's life is unchanged: the agent
+registers its process group with the guardian, reads its pipes, signals and stops it,
+and learns its exit status (from the template, its parent: :class:`ForkedChild`).
+
+When the agent does not fork (it starts the spare as before): the worker command is not
+``python -u script.py ...`` (``-m``, ``--run-path``, ``--no-python``, NUMA binding);
+the spare's environment changes a variable the template was started with, other than
+torchrun's per-worker ones (what torch reads at import must be what the spare would
+have read); ``TP_RUN_SPARE_TEMPLATE=0``; or the template is not ready, failed to start,
+or died (then never again for the job).
+
+What a forked spare inherits and why it is the same as a new process:
+- Python's ``random`` is reseeded at fork (``os.register_at_fork``); torch's default
+  generator is seeded with the same constant in every new process anyway; numpy's
+  global one is not imported by the template. The string hash salt is the template's:
+  no process may rely on another's set order, and none did.
+- Threads: ``import torch`` starts one native thread; forking after it is what a
+  DataLoader with fork workers does on every epoch. No CUDA is initialised in the
+  template (checked: a template that did would not be used), so a forked spare's
+  CUDA, its devices and ``CUDA_VISIBLE_DEVICES`` come up in the spare itself.
+- ``PYTHONFAULTHANDLER`` (the agent adds it for hang detection) is honoured in the
+  child; every other ``PYTHON*`` variable is the template's, which is the agent's.
+
+Lifetime: the template is in a session of its own (a Ctrl-C to the terminal reaches
+the agent only) and ignores the stop signals a scheduler sends to every process; it
+dies with the agent (``PR_SET_PDEATHSIG``), and each forked child dies with the
+template: so nothing it forked outlives the agent.
+
+Protocol on a Unix socketpair, JSON lines. Template -> agent: ``{"ready": pid}`` once
+imported (or ``{"unusable": why}``), ``{"pid": p}`` answering each fork request, and
+``{"exit": p, "status": s}`` (a raw wait status) when a child ends. Agent -> template:
+``{"argv": [...], "env": {...}, "cwd": ..., "ignore": [signals]}`` with the child's
+stdout and stderr descriptors attached (SCM_RIGHTS). Nothing received is unpickled;
+both ends belong to the agent's user (a socketpair has no name to connect to).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import select
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import IO, Any
+
+logger = logging.getLogger(__name__)
+
+# What the template imports: torch, its distributed package and DDP, torch._dynamo
+# (imported by the first optimizer), and the worker side of tp-run.
+PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
+           "tp_launch.resilient")
+# Variables a spare's environment may set differently from the template's: torchrun's
+# per-worker ones and tp-run's worker settings, none of which torch reads at import.
+_PER_WORKER = frozenset({
+    "RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
+    "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_SIGNALS_TO_HANDLE",
+    "TORCHELASTIC_ERROR_FILE", "LOCAL_RANK", "CUDA_VISIBLE_DEVICES",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "PYTHONFAULTHANDLER"})
+ENV_SWITCH = "TP_RUN_SPARE_TEMPLATE"  # "0": start every spare as a new process
+_READY_WAIT_S = 30.0  # how long a spare waits for a template still importing
+_ANSWER_WAIT_S = 10.0  # for the pid of a forked child
+_MAX_LINE = 1 << 20
+# Signals a scheduler may send every process of a job: the agent acts on them.
+_IGNORED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+            signal.SIGUSR2)
+
+
+def forkable(argv: list[str]) -> str | None:
+    """The script of a worker command the template can run (``python -u script ...``
+    with the template's Python), else None."""
+    if len(argv) >= 3 and argv[1] == "-u" and not argv[2].startswith("-") \
+            and os.path.realpath(argv[0]) == os.path.realpath(sys.executable):
+        return argv[2]
+    return None
+
+
+class ForkedChild:
+    """A process the template forked, with the subset of :class:`subprocess.Popen` the
+    agent uses (``pid``, ``stdout``, ``stderr``, ``poll``, ``wait``). Its exit status
+    comes from the template, its parent; if the template is gone first, the status is
+    unknown and reported as 1 once the process is gone."""
+
+    def __init__(self, template: SpareTemplate, pid: int, stdout: IO[bytes] | None,
+                 stderr: IO[bytes] | None) -> None:
+        self.template = template
+        self.pid = pid
+        self.stdout = stdout
+        self.stderr = stderr
+        self.returncode: int | None = None
+        self._pidfd = os.pidfd_open(pid)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            status = self.template.status_of(self.pid)
+            if status is None and self._gone():  # the template's word is on its way
+                self.template.wait_for_news(_ANSWER_WAIT_S, until=lambda: self.pid in
+                                            self.template.statuses)
+                status = self.template.status_of(self.pid)
+                if status is None and not self.template.alive:
+                    status = 1 << 8  # exit 1: the status went with the template
+            if status is not None:
+                self.returncode = os.waitstatus_to_exitcode(status)
+                os.close(self._pidfd)
+        return self.returncode
+
+    def _gone(self) -> bool:
+        return bool(select.select([self._pidfd], [], [], 0)[0])
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(["spare", str(self.pid)], timeout or 0.0)
+            self.template.wait_for_news(0.05)
+        assert self.returncode is not None
+        return self.returncode
+
+
+class SpareTemplate:
+    """The agent's end: starts the template, forks spares from it, collects exits.
+
+    Args:
+        python: the Python the workers run (the template runs the same one).
+        env: the template's environment (the agent's, less its secrets).
+        start: starts a process as the agent starts its workers (``argv``, ``env``, the
+            descriptors it keeps): tied to the agent, in a session of its own.
+    """
+
+    def __init__(self, python: str, env: dict[str, str],
+                 start: Callable[[list[str], dict[str, str], tuple[int, ...]],
+                                 subprocess.Popen]) -> None:
+        self.env = dict(env)
+        self.alive = True
+        self.ready = False
+        self.statuses: dict[int, int] = {}
+        self._pid_answers: list[int] = []
+        self._buf = b""
+        self.started = time.monotonic()
+        self._sock, theirs = socket.socketpair()
+        try:
+            self.proc = start([python, "-u", "-m", __name__, str(theirs.fileno())], self.env,
+                              (theirs.fileno(),))
+        finally:
+            theirs.close()
+        self._sock.setblocking(False)
+
+    def usable_for(self, env: dict[str, str]) -> bool:
+        """Whether a spare with ``env`` may be forked: see the module's doc."""
+        return all(env.get(k) == v or k in _PER_WORKER for k, v in self.env.items())
+
+    def starting(self) -> bool:
+        """Still importing (spares wait for it), within :data:`_READY_WAIT_S`; a template
+        that takes longer is given up."""
+        if self.alive and not self.ready:
+            self.wait_for_news(0)
+            if not self.ready and time.monotonic() - self.started > _READY_WAIT_S:
+                logger.warning("the spare template did not start within %.0f s; spares start "
+                               "as new processes", _READY_WAIT_S)
+                self.close()
+        return self.alive and not self.ready
+
+    def fork(self, argv: list[str], env: dict[str, str],
+             ignore: tuple[int, ...]) -> ForkedChild | None:
+        """Fork a spare running ``argv`` with both streams piped to the agent; None if the
+        template cannot (not ready, gone): the caller starts it as a new process."""
+        if not (self.alive and self.ready):
+            return None
+        ends: list[int] = []  # the child's ends of the pipes
+        ours: list[IO[bytes]] = []
+        try:
+            for _ in range(2):
+                r, w = os.pipe()
+                ours.append(os.fdopen(r, "rb"))
+                ends.append(w)
+            request = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd(),
+                                  "ignore": list(ignore)}).encode() + b"\n"
+            self._sock.setblocking(True)
+            try:
+                socket.send_fds(self._sock, [request], ends)
+            finally:
+                self._sock.setblocking(False)
+            self.wait_for_news(_ANSWER_WAIT_S, until=lambda: bool(self._pid_answers))
+        except OSError as e:
+            logger.warning("spare template unusable (%s); spares start as new processes", e)
+            self.close()
+        finally:
+            for fd in ends:
+                os.close(fd)
+        if not self._pid_answers:
+            for f in ours:
+                f.close()
+            if self.alive:
+                logger.warning("spare template did not answer; spares start as new processes")
+                self.close()
+            return None
+        return ForkedChild(self, self._pid_answers.pop(0), ours[0], ours[1])
+
+    def status_of(self, pid: int) -> int | None:
+        self.wait_for_news(0)
+        return self.statuses.pop(pid, None)
+
+    def wait_for_news(self, timeout: float, until: Any = None) -> None:
+        """Read what the template said: what is there, or up to ``timeout`` for more
+        (until ``until()`` holds, if given)."""
+        deadline = time.monotonic() + timeout
+        while self.alive:
+            remaining = deadline - time.monotonic()
+            if select.select([self._sock], [], [], max(0.0, remaining))[0]:
+                self._read()
+            if until is None or until() or remaining <= 0:
+                return
+        if until is None:
+            time.sleep(max(0.0, deadline - time.monotonic()))
+
+    def _read(self) -> None:
+        while True:
+            try:
+                chunk = self._sock.recv(65536)
+            except BlockingIOError:
+                break
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self._gone("the spare template exited")
+                break
+            self._buf += chunk
+        *lines, self._buf = self._buf.split(b"\n")
+        for line in lines:
+            self._take(line)
+
+    def _take(self, line: bytes) -> None:
+        try:
+            msg = json.loads(line)
+            if "exit" in msg:
+                self.statuses[int(msg["exit"])] = int(msg["status"])
+            elif "pid" in msg:
+                self._pid_answers.append(int(msg["pid"]))
+            elif "ready" in msg:
+                self.ready = True
+            elif "unusable" in msg:
+                self._gone(f"spare template unusable: {msg['unusable']}")
+        except (ValueError, TypeError, KeyError):
+            self._gone("the spare template said something malformed")
+
+    def _gone(self, why: str) -> None:
+        if self.alive:
+            logger.info("%s; spares start as new processes", why)
+        self.alive = False
+
+    def close(self) -> None:
+        """Stop the template; every process it forked must be gone already."""
+        self.alive = False
+        with contextlib.suppress(OSError):
+            self._sock.close()
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+# ------------------------------------------------------------------ the template itself
+
+
+def _serve(sock: socket.socket) -> dict[str, Any]:
+    """Fork children on request, report their exits; returns only in a forked child
+    (its request, its pipes already in place), or exits when the agent closes."""
+    sel = selectors.DefaultSelector()
+    sel.register(sock, selectors.EVENT_READ, None)
+    children: dict[int, int] = {}  # pidfd -> pid
+    buf = b""
+    fds: list[int] = []
+    while True:
+        for key, _ in sel.select():
+            if key.data is not None:  # a child ended
+                pid = key.data
+                sel.unregister(key.fd)
+                os.close(key.fd)
+                del children[key.fd]
+                _, status = os.waitpid(pid, 0)
+                _say(sock, {"exit": pid, "status": status})
+                continue
+            data, got, _, _ = socket.recv_fds(sock, 65536, 16)
+            if not data:
+                os._exit(0)  # the agent is done (or gone: PDEATHSIG is on its way)
+            buf += data
+            fds += got
+            if len(buf) > _MAX_LINE:
+                os._exit(1)
+            while b"\n" in buf and len(fds) >= 2:
+                line, buf = buf.split(b"\n", 1)
+                out, err, fds = fds[0], fds[1], fds[2:]
+                request = json.loads(line)
+                pid = os.fork()
+                if pid == 0:
+                    for fd in children:
+                        os.close(fd)
+                    sel.close()
+                    sock.close()
+                    os.dup2(out, 1)
+                    os.dup2(err, 2)
+                    for fd in (out, err, *fds):
+                        os.close(fd)
+                    return request
+                os.close(out)
+                os.close(err)
+                pidfd = os.pidfd_open(pid)
+                children[pidfd] = pid
+                sel.register(pidfd, selectors.EVENT_READ, pid)
+                _say(sock, {"pid": pid})
+
+
+def _say(sock: socket.socket, msg: dict[str, Any]) -> None:
+    try:
+        sock.sendall(json.dumps(msg).encode() + b"\n")
+    except OSError:  # the agent is gone: so is this template, by PDEATHSIG
+        os._exit(0)
+
+
+def _become(request: dict[str, Any], template_pid: int) -> str:
+    """In the forked child: become the spare ``python -u script ...`` would have been."""
+    os.setsid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: die with the template
+    if os.getppid() != template_pid:
+        os._exit(1)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in _IGNORED[1:]:
+        signal.signal(sig, signal.SIG_DFL)
+    for sig in request["ignore"]:
+        signal.signal(sig, signal.SIG_IGN)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    if os.environ.get("PYTHONFAULTHANDLER"):
+        import faulthandler
+
+        faulthandler.enable()
+    script = request["argv"][2]
+    sys.argv = list(request["argv"][2:])
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    return script
+
+
+def main() -> None:
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    for sig in _IGNORED:
+        signal.signal(sig, signal.SIG_IGN)
+    import importlib
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    import torch
+
+    if torch.cuda.is_initialized():
+        _say(sock, {"unusable": "CUDA was initialised at import"})
+        os._exit(0)
+    _say(sock, {"ready": os.getpid()})
+    template_pid = os.getpid()
+    request = _serve(sock)
+    script = _become(request, template_pid)
+    import runpy
+
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
