@@ -8,6 +8,7 @@ they cannot disturb the next one).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -25,6 +26,10 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 TP_RUN = [sys.executable, "-m", "tp_launch"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+# scripts/resilient_train.py as most resilient-mode tests run it (see `reference`).
+RESILIENT_SCRIPT = "scripts/resilient_train.py"
+RESILIENT_STEPS = 24
 
 # Generous limits against hangs only; no test asserts a duration.
 HANG_TIMEOUT = 180
@@ -304,3 +309,20 @@ def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator["EtcdServe
 
     with EtcdServer(tmp_path_factory.mktemp("etcd")) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The failure-free result of RESILIENT_SCRIPT (4 ranks, RESILIENT_STEPS steps) under
+    torchrun: what every module running that script compares with, computed once per
+    session. (Modules of other scripts define their own ``reference``.)"""
+    workdir = tmp_path_factory.mktemp("reference")
+    shutil.copytree(SCRIPTS, workdir / "scripts")
+    out = workdir / "out"
+    out.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC"))}
+    proc = run_launcher(TORCHRUN, ["--nproc-per-node", "4", RESILIENT_SCRIPT, "--steps",
+                                   str(RESILIENT_STEPS), "--no-resilient"],
+                        {**env, "OUT": str(out), "OMP_NUM_THREADS": "1"}, workdir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((out / "final_0.json").read_text())["checksum"]

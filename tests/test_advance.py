@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import HANG_TIMEOUT, TP_RUN, run_launcher
-from tests.test_resilient import (  # noqa: F401  (reference: a fixture)
+from tests.test_resilient import (
     SCRIPT,
     STEPS,
     _parked,
@@ -33,7 +33,6 @@ from tests.test_resilient import (  # noqa: F401  (reference: a fixture)
     finals,
     node_job,
     recoveries,
-    reference,
 )
 from tp_launch.agent.advance import Advance
 from tp_launch.agent.health import HealthCheck, health_verdict

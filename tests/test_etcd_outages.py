@@ -39,7 +39,6 @@ from tests.test_resilient import (
     exits,
     finals,
     node_job,
-    reference,  # noqa: F401 - a fixture, used by name
 )
 
 HANG = 60.0
@@ -471,7 +470,10 @@ def ride_out(workdir: Path, test_env: dict[str, str], reference: str, etcd: Etcd
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["compatible", "resilient"])
+# compatible: its restart's rendezvous gives up on the backend as a join does
+# (test_join_gives_up_after_outage_timeout, in-process): in the matrix.
+@pytest.mark.parametrize("mode", [pytest.param("compatible", marks=pytest.mark.matrix),
+                                  "resilient"])
 def test_rank_failure_while_etcd_stays_down_no_node_exits_0(workdir, test_env, etcd, mode):
     """2 nodes x 1 rank. etcd is SIGKILLed for good, then rank 1 is SIGKILLed: its
     recovery (resilient: the generation for its spare; compatible: the restart)

@@ -24,6 +24,8 @@ import pytest
 
 from tests.conftest import (
     HANG_TIMEOUT,
+    RESILIENT_SCRIPT,
+    RESILIENT_STEPS,
     TORCHRUN,
     TP_RUN,
     Live,
@@ -34,8 +36,8 @@ from tests.conftest import (
 )
 from tp_launch.control_files import AgentStatus, find_agents
 
-STEPS = 24
-SCRIPT = "scripts/resilient_train.py"
+STEPS = RESILIENT_STEPS
+SCRIPT = RESILIENT_SCRIPT
 
 
 def launch(workdir: Path, env: dict[str, str], launcher_args: list[str], script_args: list[str],
@@ -46,22 +48,6 @@ def launch(workdir: Path, env: dict[str, str], launcher_args: list[str], script_
     proc = run_launcher(launcher, [*launcher_args, SCRIPT, "--steps", str(STEPS), *script_args],
                         run_env, workdir)
     return proc, out
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The failure-free result, under torchrun, of the same script."""
-    import shutil
-
-    from tests.conftest import SCRIPTS
-
-    workdir = tmp_path_factory.mktemp("reference")
-    shutil.copytree(SCRIPTS, workdir / "scripts")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC"))}
-    proc, out = launch(workdir, env, ["--nproc-per-node", "4"], ["--no-resilient"],
-                       launcher=TORCHRUN)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads((out / "final_0.json").read_text())["checksum"]
 
 
 def finals(out: Path, world: int = 4) -> list[dict]:
@@ -159,17 +145,18 @@ def test_kill_donor_during_transfer(workdir, test_env, reference):
     assert {r["checksum"] for r in results} == {reference}
 
 
-def _spares(marker: str) -> list[psutil.Process]:
-    """The job's spares: started as the script with TP_RUN_SPARE=1, or forked from the
-    spare template (whose command line and initial environment they show)."""
+def _spares(marker: str, out: Path) -> list[psutil.Process]:
+    """The job's spares: its processes running the script that are no rank (none wrote
+    an entry file). (Forked from the template, a process shows the script's command line
+    but the template's initial environment: see tp_launch/procs/template.py.)"""
+    ranks = set(entries(out))
     found = []
     for p in marked_processes(marker):
         try:
-            env = p.environ()
-            if env.get("TP_RUN_SPARE") == "1" and "resilient_train.py" in " ".join(p.cmdline()) \
-                    or "tp_launch.procs.template" in " ".join(p.parent().cmdline()):
+            if SCRIPT in " ".join(p.cmdline()) and p.pid not in ranks \
+                    and "tp_launch" not in " ".join(p.cmdline()):
                 found.append(p)
-        except (psutil.Error, AttributeError):  # AttributeError: no parent any more
+        except psutil.Error:
             continue
     return found
 
@@ -223,9 +210,10 @@ def test_kill_parked_spare_is_replaced(workdir, test_env, reference):
     with background(workdir, test_env, ["--nproc-per-node", "4", "--spares", "1", SCRIPT,
                                         "--steps", str(STEPS), "--hold-at", "2"]) as (proc, out, _):
         _wait(lambda: _parked(proc) >= 1, "a spare parks")
-        (spare,) = _spares(test_env["TP_TEST_MARKER"])
+        _wait(lambda: all_held(out), "4 ranks train")
+        (spare,) = _spares(test_env["TP_TEST_MARKER"], out)
         spare.kill()
-        _wait(lambda: any(p.pid != spare.pid for p in _spares(test_env["TP_TEST_MARKER"]))
+        _wait(lambda: any(p.pid != spare.pid for p in _spares(test_env["TP_TEST_MARKER"], out))
               and _parked(proc) >= 1, "a new spare parks")
         (out / "release").touch()
         stdout, stderr = proc.communicate(timeout=HANG_TIMEOUT)

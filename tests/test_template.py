@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tp_launch.procs import template
@@ -85,6 +86,9 @@ def test_a_forked_spare_killed_by_a_signal_reads_as_under_popen(tmpl, tmp_path):
     while not out.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert child.poll() is None
+    # ps and pgrep -f see the script's command line, not the template's.
+    assert psutil.Process(child.pid).cmdline() == \
+        [sys.executable, "-u", str(tmp_path / "sub" / "script.py"), str(out), "hang"]
     os.kill(child.pid, signal.SIGKILL)
     assert child.wait(30) == -signal.SIGKILL
     with pytest.raises(subprocess.TimeoutExpired):
@@ -110,6 +114,14 @@ def test_worker_process_forks_a_spare_only_where_it_is_the_same_process(tmpl, tm
     assert isinstance(w.popen, template.ForkedChild) and w.popen.wait(30) == 5
     assert w.returncode == 5
     w.close()
+    # A rank: its streams to its log files.
+    script.write_text("import sys; print('out'); print('err', file=sys.stderr); sys.exit(4)\n")
+    logs = tmp_path / "out.log", tmp_path / "err.log"
+    w = WorkerProcess([sys.executable, "-u", str(script)], env, str(logs[0]), str(logs[1]), 0,
+                      template=tmpl)
+    assert isinstance(w.popen, template.ForkedChild) and w.popen.wait(30) == 4
+    w.close()
+    assert logs[0].read_text() == "out\n" and logs[1].read_text() == "err\n"
     for argv, e in (([sys.executable, "-u", "-m", "json.tool"], env),  # not a script
                     ([sys.executable, "-u", str(script)], {**env, "PATH": "/nowhere"})):
         w = WorkerProcess(argv, e, None, None, 0, piped=True, template=tmpl)

@@ -93,7 +93,7 @@ class Processes:
         argv = worker_argv(cfg, device)
         try:
             worker = WorkerProcess(argv, env, rl.stdout, rl.stderr, device, piped=spare,
-                                   template=self.template if spare else None)
+                                   template=self.template)
         except OSError as e:
             raise ConfigError(f"cannot start {argv[0]}: {e.strerror or e}") from None
         self.workers.append(worker)
@@ -122,15 +122,27 @@ class Processes:
             at.next_slot += 1
             self.spawn(at, slot, self.layout.spare_logs(at.logs, slot), spare=True)
 
-    def _template_starting(self) -> bool:
-        """Start the spare template for the first spare, where it can serve; whether it
-        is still importing (spares wait for it, a few seconds at the job's start)."""
+    def start_template(self) -> None:
+        """Start the template this node's processes are forked from, where it can serve
+        (:mod:`tp_launch.procs.template`): once per job, before its first ranks."""
         argv = worker_argv(self.config, 0)
         if self.template is None and template.forkable(argv) \
                 and os.environ.get(template.ENV_SWITCH, "1") != "0":
-            self.template = template.SpareTemplate(
-                argv[0], without_agent_secrets(os.environ),
-                lambda a, env, fds: spawn(a, env, subprocess.DEVNULL, None, fds))
+            try:
+                self.template = template.SpareTemplate(
+                    argv[0], without_agent_secrets(os.environ),
+                    lambda a, env, fds: spawn(a, env, subprocess.DEVNULL, None, fds))
+            except OSError as e:  # the workers' own start will say what is wrong
+                logger.info("no process template (%s): processes start anew", e)
+
+    def wait_for_template(self) -> None:
+        """Before an attempt's ranks start: the template's imports are what theirs would
+        be (bounded; a template that does not come up is given up)."""
+        if self.template is not None:
+            self.template.wait_ready()
+
+    def _template_starting(self) -> bool:
+        """Whether the template still imports (spares wait for it, ticking on)."""
         return self.template is not None and self.template.starting()
 
     def close(self) -> None:

@@ -130,6 +130,7 @@ class ResilientAgent(NodeAgent):
         if self.health is not None:
             self.health.start()
         try:
+            self.processes.start_template()  # it imports while the rendezvous forms
             return super().run(watch)
         finally:
             self.processes.close()
@@ -183,6 +184,7 @@ class ResilientAgent(NodeAgent):
         at.stragglers = hangs.Stragglers(cfg.straggler_factor, cfg.straggler_window)
         self.recoverer = Recoverer(cfg, at, self.processes, self.layout, self.rdzv.run_id)
         try:
+            self.processes.wait_for_template()
             for local, rank in enumerate(mine):
                 self.processes.spawn(at, local, logs.ranks[local])
                 at.world.slot_of[rank] = local

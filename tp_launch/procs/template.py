@@ -82,6 +82,8 @@ ENV_SWITCH = "TP_RUN_SPARE_TEMPLATE"  # "0": start every spare as a new process
 _READY_WAIT_S = 30.0  # how long a spare waits for a template still importing
 _ANSWER_WAIT_S = 10.0  # for the pid of a forked child
 _MAX_LINE = 1 << 20
+# The template's last argument: room for a forked child's command line (blanks in ps).
+_PAD = " " * 8192
 # Signals a scheduler may send every process of a job: the agent acts on them.
 _IGNORED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
             signal.SIGUSR2)
@@ -160,8 +162,8 @@ class SpareTemplate:
         self.started = time.monotonic()
         self._sock, theirs = socket.socketpair()
         try:
-            self.proc = start([python, "-u", "-m", __name__, str(theirs.fileno())], self.env,
-                              (theirs.fileno(),))
+            self.proc = start([python, "-u", "-m", __name__, str(theirs.fileno()), _PAD],
+                              self.env, (theirs.fileno(),))
         finally:
             theirs.close()
         self._sock.setblocking(False)
@@ -181,19 +183,30 @@ class SpareTemplate:
                 self.close()
         return self.alive and not self.ready
 
-    def fork(self, argv: list[str], env: dict[str, str],
-             ignore: tuple[int, ...]) -> ForkedChild | None:
-        """Fork a spare running ``argv`` with both streams piped to the agent; None if the
-        template cannot (not ready, gone): the caller starts it as a new process."""
+    def wait_ready(self) -> bool:
+        """Wait (up to :data:`_READY_WAIT_S` from its start) until it can fork."""
+        while self.starting():
+            time.sleep(0.05)
+        return self.alive
+
+    def fork(self, argv: list[str], env: dict[str, str], ignore: tuple[int, ...],
+             files: tuple[IO | None, IO | None] | None = None) -> ForkedChild | None:
+        """Fork a process running ``argv``, its stdout and stderr to ``files`` (None: the
+        agent's own), or to pipes the agent reads (``files`` None); None if the template
+        cannot (not ready, gone): the caller starts it as a new process."""
         if not (self.alive and self.ready):
             return None
-        ends: list[int] = []  # the child's ends of the pipes
+        ends: list[int] = []  # the child's ends
         ours: list[IO[bytes]] = []
         try:
-            for _ in range(2):
-                r, w = os.pipe()
-                ours.append(os.fdopen(r, "rb"))
-                ends.append(w)
+            for i in range(2):
+                if files is None:
+                    r, w = os.pipe()
+                    ours.append(os.fdopen(r, "rb"))
+                    ends.append(w)
+                else:
+                    f = files[i]
+                    ends.append(os.dup(f.fileno() if f is not None else 1 + i))
             request = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd(),
                                   "ignore": list(ignore)}).encode() + b"\n"
             self._sock.setblocking(True)
@@ -215,7 +228,8 @@ class SpareTemplate:
                 logger.warning("spare template did not answer; spares start as new processes")
                 self.close()
             return None
-        return ForkedChild(self, self._pid_answers.pop(0), ours[0], ours[1])
+        pipes = ours if ours else [None, None]
+        return ForkedChild(self, self._pid_answers.pop(0), pipes[0], pipes[1])
 
     def status_of(self, pid: int) -> int | None:
         self.wait_for_news(0)
@@ -359,7 +373,26 @@ def _become(request: dict[str, Any], template_pid: int) -> str:
     script = request["argv"][2]
     sys.argv = list(request["argv"][2:])
     sys.path[0] = os.path.dirname(os.path.abspath(script))
+    _show_command_line(request["argv"])
     return script
+
+
+def _show_command_line(argv: list[str]) -> None:
+    """Make ``/proc/self/cmdline`` (``ps``, ``pgrep -f``, psutil) read ``argv``: written
+    over the template's own argument area (what setproctitle does), which :data:`_PAD`
+    reserves; cut where it does not fit. Nothing reads that memory but the kernel for
+    /proc: Python copied its arguments at start."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (proc(5))
+    except (OSError, ValueError, IndexError):
+        return
+    # One string, its arguments joined by blanks, and the area's last byte not NUL: the
+    # kernel then reads the area as a title set by the process (up to the first NUL).
+    size = end - start
+    text = b" ".join(os.fsencode(a) for a in argv)[:size - 2]
+    ctypes.memmove(start, text + b"\0" * (size - len(text) - 1) + b" ", size)
 
 
 def main() -> None:

@@ -91,8 +91,7 @@ class WorkerProcess:
         local_rank: the worker's local rank (for messages).
         piped: both streams go to pipes the agent reads (``popen.stdout``/``stderr``)
             instead; ``stdout``/``stderr`` are then ignored.
-        template: fork it from this spare template where it can
-            (:mod:`tp_launch.procs.template`; piped workers only).
+        template: fork it from this template where it can (:mod:`tp_launch.procs.template`).
     """
 
     def __init__(self, argv: list[str], env: dict[str, str], stdout: str | None,
@@ -108,8 +107,8 @@ class WorkerProcess:
         if not piped:
             out, err = self._open(stdout), self._open(stderr)
         forked = None
-        if template is not None and piped and forkable(argv) and template.usable_for(env):
-            forked = template.fork(argv, env, _ignored)
+        if template is not None and forkable(argv) and template.usable_for(env):
+            forked = template.fork(argv, env, _ignored, None if piped else (out, err))
         if forked is not None:
             GUARDIAN.watch(forked.pid)
             self.popen: Child = forked

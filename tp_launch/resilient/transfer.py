@@ -363,8 +363,15 @@ def agree_and_transfer(carrier: Carrier, fresh: bool,
                 stats.bytes += send_state(carrier, pg, receiver)
     # Every rank alike: the plan is the same everywhere, and so are the objects each
     # rank keeps its own (a receiver has the donor's list now).
-    from_copy = copies is not None and bool(plan) and bool(carrier.per_rank_objects) \
-        and _own_objects_from_copies(carrier, copies, plan, top, pg)
+    from_copy = False
+    if copies is not None and plan and carrier.per_rank_objects:
+        everyone, from_copy = _own_objects_from_copies(carrier, copies, plan, top, pg)
+        if not everyone and _copies_reach(copies, rank, world):
+            # A receiver's own objects have no copy of the committed step (its holder's
+            # copy of it was still on its way when the rank died): every rank goes back
+            # to the latest step the copies hold, exact, as when a shard is lost. With
+            # no such step the receiver goes on with the donor's, and says so below.
+            return _back_to_copies(carrier, copies, stats, pg)
     if rank in plan:
         mine_at_top = None
         if rows[rank].own_step == top:
@@ -446,12 +453,22 @@ def _back_to_copies(carrier: Carrier, copies: BuddyCopies, stats: TransferStats,
     return stats
 
 
+def _copies_reach(copies: BuddyCopies, rank: int, world: int) -> bool:
+    """Whether the buddy copies hold a step every rank can go back to. Collective."""
+    try:
+        copy_plan(copy_rows(copies, rank, world), copies.holders(world))
+    except CopiesLost:
+        return False
+    return True
+
+
 def _own_objects_from_copies(carrier: Carrier, copies: BuddyCopies, plan: dict[int, int],
-                             step: int, pg: PeerGroup) -> bool:
+                             step: int, pg: PeerGroup) -> tuple[bool, bool]:
     """The receivers were served by donors of their pieces (HSDP replica peers), whose
     own objects (a data loader's position) are not the receivers': each receiver whose
     holder survived with a copy of ``step`` gets its own objects from that copy.
-    Collective (every rank gathers the copy rows). Whether this rank got its own."""
+    Collective (every rank gathers the copy rows). Whether every receiver got its own
+    (alike on every rank), and whether this rank did."""
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = copy_rows(copies, rank, world)
     holders = copies.holders(world)
@@ -461,15 +478,16 @@ def _own_objects_from_copies(carrier: Carrier, copies: BuddyCopies, plan: dict[i
     for receiver, holder in served.items():
         if holder == rank:
             copies.serve(step, _p2p(pg, receiver, receive=False), objects=names)
+    everyone = len(served) == len(plan)
     if rank not in served:
-        return False
+        return everyone, False
     _, tree = receive_message(_p2p(pg, served[rank], receive=True))
     try:
         for name in names:
             carrier.state.objects[name].load_state_dict(tree[name])
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise WireError(f"the buddy copy's objects do not fit this script's: {e}") from None
-    return True
+    return everyone, True
 
 
 def copy_rows(copies: BuddyCopies, rank: int, world: int) -> list[CopyRow]:
