@@ -383,6 +383,19 @@ def test_a_gone_agents_directories_are_removed_and_nothing_else(shared_tmp: Path
     shutil.rmtree(made)
 
 
+def test_a_gone_agents_status_is_not_a_running_agent(shared_tmp: Path):
+    """find_agents: a SIGKILLed agent's status file whose pid was since reused by a live
+    process (here, this one) is not listed; the live agent's is (a reused pid made
+    ``tp-run status --agent-pid`` see two agents with one pid)."""
+    live, gone = control_files.new_control_dir(), control_files.new_control_dir()
+    me = control_files._start_ticks(os.getpid())
+    (Path(gone) / control_files.OWNER_FILE).write_text(f"{os.getpid()} {me - 1}")
+    for directory, run_id in ((live, "live"), (gone, "gone")):
+        control_files.write_status(os.path.join(directory, f"{os.getpid()}.sock"),
+                                   control_files.AgentStatus(run_id, os.getpid(), 1, {}, []))
+    assert [a.run_id for a in control_files.find_agents()] == ["live"]
+
+
 def test_status_is_written_without_following_links(tmp_path: Path):
     precious = tmp_path / "precious"
     precious.write_text("mine\n")

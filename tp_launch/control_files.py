@@ -290,6 +290,8 @@ def find_agents() -> list[AgentStatus]:
             try:
                 os.kill(status.pid, 0)
             except OSError:
-                continue  # a SIGKILLed agent's leftovers (its pid gone, or reused)
+                continue  # a SIGKILLed agent's leftovers (its pid gone)
+            if _owner_gone(directory):
+                continue  # the same, its pid reused by another process since
             found.append(status)
     return found

@@ -131,7 +131,11 @@ class Processes:
             try:
                 self.template = template.SpareTemplate(
                     argv[0], without_agent_secrets(os.environ),
-                    lambda a, env, fds: spawn(a, env, subprocess.DEVNULL, None, fds))
+                    # Its own output is what importing torch prints (a warning that
+                    # numpy is missing, say), which no process forked from it prints
+                    # again: dropped. A template that fails is given up (logged).
+                    lambda a, env, fds: spawn(a, env, subprocess.DEVNULL, subprocess.DEVNULL,
+                                              fds))
             except OSError as e:  # the workers' own start will say what is wrong
                 logger.info("no process template (%s): processes start anew", e)
 
