@@ -69,7 +69,7 @@ class Processes:
         self.opted_in = False
         self._restarts = SpareRestarts()
         self._said_unused = False
-        # Spares are forked from it once the script opted in (tp_launch.procs.template).
+        # Ranks and spares are forked from it (tp_launch.procs.template; start_template).
         self.template: template.SpareTemplate | None = None
         try:  # the ranks' wait for a generation, which this agent's decisions allow for
             self.recovery_wait_s = recovery_wait_from()

@@ -59,7 +59,7 @@ class Guardian:
                 pass
 
     def watch(self, pgid: int) -> None:
-        """Register a group the agent did not fork itself (a spare the template forked,
+        """Register a group the agent did not fork itself (a process the template forked,
         :mod:`tp_launch.procs.template`, which dies with the template until then)."""
         self._send(f"+{pgid}\n")
 

@@ -1,35 +1,35 @@
-"""The spare template: spares forked from a process that has imported torch already.
+"""The process template: ranks and spares forked from a process that imported torch.
 
-A spare is the training script started like a rank and parked in
-``tp_launch.resilient.run()``. Started as a new process (``python -u script.py``) it
-spends most of its start importing: about 2.5 s of CPU for torch and 1.7 s more for
-``torch._dynamo`` (which the first ``torch.optim`` constructor imports), taken from the
-training ranks beside it, once at the job's start and again after every recovery (the
-replacement spare). Once the script opts in (a rank said hello), the agent starts one
-*template* per node instead: a Python process that imports what every resilient script
-imports (:data:`PRELOAD`) and waits. Each spare is forked from it, takes the spare's
-environment, command line, working directory and output pipes, and runs the script as
-``__main__`` (:func:`runpy.run_path`): the same script, with its imports already made
-(copy-on-write pages, no CPU). The rest of a spare's life is unchanged: the agent
-registers its process group with the guardian, reads its pipes, signals and stops it,
-and learns its exit status (from the template, its parent: :class:`ForkedChild`).
+A rank or spare started as a new process (``python -u script.py``) spends most of its
+start importing: about 2.5 s of CPU for torch and 1.7 s more for ``torch._dynamo``
+(which the first ``torch.optim`` constructor imports), taken from the training ranks
+beside it: every rank at the job's start, a spare at the start and again after every
+recovery (the replacement spare). With ``--spares`` the agent starts one *template*
+per node while the rendezvous forms: a Python process that imports what every
+resilient script imports (:data:`PRELOAD`) and waits. Each rank and spare is forked
+from it, takes its own environment, command line, working directory and output, and
+runs the script as ``__main__`` (:func:`runpy.run_path`): the same script, with its
+imports already made (copy-on-write pages, no CPU). The rest of the process's life is
+unchanged: the agent registers its process group with the guardian, reads a spare's
+pipes, signals and stops it, and learns its exit status (from the template, its
+parent: :class:`ForkedChild`).
 
-When the agent does not fork (it starts the spare as before): the worker command is not
+When the agent does not fork (it starts the process as before): the worker command is not
 ``python -u script.py ...`` (``-m``, ``--run-path``, ``--no-python``, NUMA binding);
-the spare's environment changes a variable the template was started with, other than
-torchrun's per-worker ones (what torch reads at import must be what the spare would
+the process's environment changes a variable the template was started with, other than
+torchrun's per-worker ones (what torch reads at import must be what the process would
 have read); ``TP_RUN_SPARE_TEMPLATE=0``; or the template is not ready, failed to start,
 or died (then never again for the job).
 
-What a forked spare inherits and why it is the same as a new process:
+What a forked process inherits and why it is the same as a new process:
 - Python's ``random`` is reseeded at fork (``os.register_at_fork``); torch's default
   generator is seeded with the same constant in every new process anyway; numpy's
   global one is not imported by the template. The string hash salt is the template's:
   no process may rely on another's set order, and none did.
 - Threads: ``import torch`` starts one native thread; forking after it is what a
   DataLoader with fork workers does on every epoch. No CUDA is initialised in the
-  template (checked: a template that did would not be used), so a forked spare's
-  CUDA, its devices and ``CUDA_VISIBLE_DEVICES`` come up in the spare itself.
+  template (checked: a template that did would not be used), so a forked process's
+  CUDA, its devices and ``CUDA_VISIBLE_DEVICES`` come up in the process itself.
 - ``PYTHONFAULTHANDLER`` (the agent adds it for hang detection) is honoured in the
   child; every other ``PYTHON*`` variable is the template's, which is the agent's.
 
@@ -69,7 +69,7 @@ logger = logging.getLogger(__name__)
 # (imported by the first optimizer), and the worker side of tp-run.
 PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
            "tp_launch.resilient")
-# Variables a spare's environment may set differently from the template's: torchrun's
+# Variables a forked process's environment may set differently from the template's: torchrun's
 # per-worker ones and tp-run's worker settings, none of which torch reads at import.
 _PER_WORKER = frozenset({
     "RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
@@ -78,8 +78,8 @@ _PER_WORKER = frozenset({
     "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_SIGNALS_TO_HANDLE",
     "TORCHELASTIC_ERROR_FILE", "LOCAL_RANK", "CUDA_VISIBLE_DEVICES",
     "TORCH_NCCL_ASYNC_ERROR_HANDLING", "PYTHONFAULTHANDLER"})
-ENV_SWITCH = "TP_RUN_SPARE_TEMPLATE"  # "0": start every spare as a new process
-_READY_WAIT_S = 30.0  # how long a spare waits for a template still importing
+ENV_SWITCH = "TP_RUN_SPARE_TEMPLATE"  # "0": start every process anew
+_READY_WAIT_S = 30.0  # how long ranks and spares wait for a template still importing
 _ANSWER_WAIT_S = 10.0  # for the pid of a forked child
 _MAX_LINE = 1 << 20
 # The template's last argument: room for a forked child's command line (blanks in ps).
@@ -141,7 +141,7 @@ class ForkedChild:
 
 
 class SpareTemplate:
-    """The agent's end: starts the template, forks spares from it, collects exits.
+    """The agent's end: starts the template, forks ranks and spares, collects exits.
 
     Args:
         python: the Python the workers run (the template runs the same one).
@@ -169,7 +169,7 @@ class SpareTemplate:
         self._sock.setblocking(False)
 
     def usable_for(self, env: dict[str, str]) -> bool:
-        """Whether a spare with ``env`` may be forked: see the module's doc."""
+        """Whether a process with ``env`` may be forked: see the module's doc."""
         return all(env.get(k) == v or k in _PER_WORKER for k, v in self.env.items())
 
     def starting(self) -> bool:
