@@ -412,14 +412,14 @@ def test_job_rides_out_an_etcd_restart(workdir, test_env, reference, etcd, mode,
 @pytest.mark.slow
 def test_rank_failure_during_an_outage_longer_than_the_ranks_wait(workdir, test_env,
                                                                   reference, etcd):
-    """Resilient, rank 2 SIGKILLed while etcd is down for 16 s: the other node's ranks
+    """Resilient, rank 2 SIGKILLed while etcd is down for 11 s: the other node's ranks
     wait for the new generation up to the worker's limit (TP_RUN_RECOVERY_WAIT_S, 60 s
-    by default, shortened here to 6 s on both sides: the path is the same, the lease TTL
+    by default, shortened here to 4 s on both sides: the path is the same, the lease TTL
     is 3 s), then fail with an error, both at the same step. That is the outage's doing,
     not a crash loop: once etcd is back they are replaced too (by spares, one spawned
     anew), the state comes from rank 3, and the job ends with torchrun's result."""
-    env = {**test_env, "TP_RUN_RECOVERY_WAIT_S": "6"}
-    ride_out(workdir, env, reference, etcd, "resilient", True, 16, keep_pids=False)
+    env = {**test_env, "TP_RUN_RECOVERY_WAIT_S": "4"}
+    ride_out(workdir, env, reference, etcd, "resilient", True, 11, keep_pids=False)
 
 
 def ride_out(workdir: Path, test_env: dict[str, str], reference: str, etcd: EtcdServer,

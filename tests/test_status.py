@@ -194,11 +194,12 @@ def test_status_of_a_running_job(workdir, test_env):
     try:
         doc = _wait_status(env, workdir, proc.pid,
                            lambda d: d["parked_total"] == 1
-                           and all(r["step"] >= 1 for r in d["ranks"]),
+                           # step 1 is the generation's first commit, whose step_s is 0
+                           and all(r["step"] >= 2 for r in d["ranks"]),
                            "the ranks train, a spare parks")
         assert doc["agent_pid"] == proc.pid and doc["world_size"] == 2
         assert [r["rank"] for r in doc["ranks"]] == [0, 1]
-        assert all(r["stage"] == "training" and r["step_s"] > 0 for r in doc["ranks"])
+        assert all(r["stage"] == "training" and r["step_s"] > 0 for r in doc["ranks"]), doc
         assert doc["recoveries"] == [] and doc["log_dir"].startswith(str(workdir / "logs"))
         spare = doc["parked"][0]["pid"]
         step = doc["ranks"][1]["step"]
