@@ -209,3 +209,19 @@ def test_the_run_directory_stays_in_the_log_dir(tmp_path, run_id):
         assert sorted(p.name for p in tmp_path.iterdir()) == ["logs"]
     finally:
         layout.close()
+
+
+@pytest.mark.parametrize("virtual", [False, True])
+def test_per_worker_variables_are_what_worker_env_sets(monkeypatch, virtual):
+    """The template forks a process only if its environment differs from the template's
+    in PER_WORKER_VARS: every variable worker_env sets per worker must be there."""
+    from rendezvous.api import RendezvousInfo
+    from tp_launch.agent.worker_env import PER_WORKER_VARS, worker_env
+
+    monkeypatch.setattr("os.environ", {"PATH": "/bin"})
+    cfg = LaunchConfig(nproc_per_node=2, log_dir="/dev/null", virtual_local_rank=virtual,
+                       hang_timeout=5)
+    info = RendezvousInfo(round=0, node_rank=0, nnodes=1, rank_offset=0, world_size=2,
+                          master_addr="127.0.0.1", master_port=29500, use_agent_store=True)
+    env = worker_env(cfg, info, 1, 0, "/tmp/error.json")
+    assert set(env) - {"PATH"} <= PER_WORKER_VARS, set(env) - {"PATH"} - PER_WORKER_VARS

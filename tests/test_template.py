@@ -1,4 +1,4 @@
-"""The spare template (tp_launch/procs/template.py): a forked spare is the process
+"""The process template (tp_launch/procs/template.py): a forked spare is the process
 ``python -u script.py`` would have been, and the agent learns how it ended.
 
 Real processes: a real template importing torch, real forks, real signals."""
@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tp_launch.agent.worker_env import PER_WORKER_VARS
 from tp_launch.procs import template
 from tp_launch.procs.worker import WorkerProcess, spawn
 
@@ -36,8 +37,8 @@ sys.exit(int(sys.argv[2]))
 '''
 
 
-def _started() -> template.SpareTemplate:
-    t = template.SpareTemplate(sys.executable, dict(os.environ),
+def _started() -> template.ProcessTemplate:
+    t = template.ProcessTemplate(sys.executable, dict(os.environ), PER_WORKER_VARS,
                                lambda a, env, fds: spawn(a, env, subprocess.DEVNULL, None, fds))
     deadline = time.monotonic() + 120
     while t.starting() and time.monotonic() < deadline:
@@ -53,7 +54,7 @@ def tmpl():
     t.close()
 
 
-def _fork(tmpl: template.SpareTemplate, tmp_path: Path, name: str, code: str,
+def _fork(tmpl: template.ProcessTemplate, tmp_path: Path, name: str, code: str,
           ignore: tuple[int, ...] = ()) -> tuple[template.ForkedChild, Path]:
     script = tmp_path / "sub" / "script.py"
     script.parent.mkdir(exist_ok=True)
@@ -137,7 +138,8 @@ def test_forkable_and_usable_for():
     assert template.forkable([py, "-u", "-m", "mod"]) is None
     assert template.forkable(["/bin/true", "-u", "train.py"]) is None
     assert template.forkable([py, "train.py"]) is None
-    t = object.__new__(template.SpareTemplate)
+    t = object.__new__(template.ProcessTemplate)
     t.env = {"A": "1", "LOCAL_RANK": "0"}
+    t.per_worker = PER_WORKER_VARS
     assert t.usable_for({"A": "1", "LOCAL_RANK": "5", "RANK": "2", "TP_RUN_SPARE": "1"})
     assert not t.usable_for({"A": "2"}) and not t.usable_for({"LOCAL_RANK": "0"})

@@ -25,7 +25,8 @@ from tp_launch.agent.attempt import Attempt, Proc
 from tp_launch.agent.control import SpareRestarts
 from tp_launch.agent.decisions import spares_to_start
 from tp_launch.agent.failures import exit_description
-from tp_launch.agent.worker_env import spare_env, without_agent_secrets, worker_argv, worker_env
+from tp_launch.agent.worker_env import (PER_WORKER_VARS, spare_env, without_agent_secrets,
+                                        worker_argv, worker_env)
 from tp_launch.config import ConfigError, LaunchConfig
 from tp_launch.procs import template
 from tp_launch.procs.logs import LogLayout, RankLogs, SpareOutput
@@ -70,7 +71,7 @@ class Processes:
         self._restarts = SpareRestarts()
         self._said_unused = False
         # Ranks and spares are forked from it (tp_launch.procs.template; start_template).
-        self.template: template.SpareTemplate | None = None
+        self.template: template.ProcessTemplate | None = None
         try:  # the ranks' wait for a generation, which this agent's decisions allow for
             self.recovery_wait_s = recovery_wait_from()
         except SettingsError as e:
@@ -129,8 +130,8 @@ class Processes:
         if self.template is None and template.forkable(argv) \
                 and os.environ.get(template.ENV_SWITCH, "1") != "0":
             try:
-                self.template = template.SpareTemplate(
-                    argv[0], without_agent_secrets(os.environ),
+                self.template = template.ProcessTemplate(
+                    argv[0], without_agent_secrets(os.environ), PER_WORKER_VARS,
                     # Its own output is what importing torch prints (a warning that
                     # numpy is missing, say), which no process forked from it prints
                     # again: dropped. A template that fails is given up (logged).
@@ -150,7 +151,7 @@ class Processes:
         return self.template is not None and self.template.starting()
 
     def close(self) -> None:
-        """The job is over, every process stopped: stop the spare template."""
+        """The job is over, every process stopped: stop the process template."""
         if self.template is not None:
             self.template.close()
             self.template = None

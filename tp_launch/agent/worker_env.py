@@ -20,6 +20,17 @@ def without_agent_secrets(environ: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in environ.items() if k not in _AGENT_ONLY}
 
 
+# The variables worker_env sets per worker: a process forked from the template may have
+# them differently from it (torch does not read them at import).
+PER_WORKER_VARS = frozenset({
+    "RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
+    "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_SIGNALS_TO_HANDLE",
+    "TORCHELASTIC_ERROR_FILE", "LOCAL_RANK", "CUDA_VISIBLE_DEVICES",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "PYTHONFAULTHANDLER"})
+
+
 def worker_env(config: LaunchConfig, info: RendezvousInfo, local_rank: int,
                restart_count: int, error_file: str) -> dict[str, str]:
     """The full environment of one worker: the agent's (less the etcd password), plus

@@ -69,15 +69,6 @@ logger = logging.getLogger(__name__)
 # (imported by the first optimizer), and the worker side of tp-run.
 PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
            "tp_launch.resilient")
-# Variables a forked process's environment may set differently from the template's: torchrun's
-# per-worker ones and tp-run's worker settings, none of which torch reads at import.
-_PER_WORKER = frozenset({
-    "RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
-    "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
-    "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_SIGNALS_TO_HANDLE",
-    "TORCHELASTIC_ERROR_FILE", "LOCAL_RANK", "CUDA_VISIBLE_DEVICES",
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "PYTHONFAULTHANDLER"})
 ENV_SWITCH = "TP_RUN_SPARE_TEMPLATE"  # "0": start every process anew
 _READY_WAIT_S = 30.0  # how long ranks and spares wait for a template still importing
 _ANSWER_WAIT_S = 10.0  # for the pid of a forked child
@@ -104,7 +95,7 @@ class ForkedChild:
     comes from the template, its parent; if the template is gone first, the status is
     unknown and reported as 1 once the process is gone."""
 
-    def __init__(self, template: SpareTemplate, pid: int, stdout: IO[bytes] | None,
+    def __init__(self, template: ProcessTemplate, pid: int, stdout: IO[bytes] | None,
                  stderr: IO[bytes] | None) -> None:
         self.template = template
         self.pid = pid
@@ -140,20 +131,23 @@ class ForkedChild:
         return self.returncode
 
 
-class SpareTemplate:
+class ProcessTemplate:
     """The agent's end: starts the template, forks ranks and spares, collects exits.
 
     Args:
         python: the Python the workers run (the template runs the same one).
         env: the template's environment (the agent's, less its secrets).
+        per_worker: the variables a forked process's environment may set differently
+            (torchrun's per-worker ones, which torch does not read at import).
         start: starts a process as the agent starts its workers (``argv``, ``env``, the
             descriptors it keeps): tied to the agent, in a session of its own.
     """
 
-    def __init__(self, python: str, env: dict[str, str],
+    def __init__(self, python: str, env: dict[str, str], per_worker: frozenset[str],
                  start: Callable[[list[str], dict[str, str], tuple[int, ...]],
                                  subprocess.Popen]) -> None:
         self.env = dict(env)
+        self.per_worker = per_worker
         self.alive = True
         self.ready = False
         self.statuses: dict[int, int] = {}
@@ -170,7 +164,7 @@ class SpareTemplate:
 
     def usable_for(self, env: dict[str, str]) -> bool:
         """Whether a process with ``env`` may be forked: see the module's doc."""
-        return all(env.get(k) == v or k in _PER_WORKER for k, v in self.env.items())
+        return all(env.get(k) == v or k in self.per_worker for k, v in self.env.items())
 
     def starting(self) -> bool:
         """Still importing (spares wait for it), within :data:`_READY_WAIT_S`; a template
@@ -178,8 +172,8 @@ class SpareTemplate:
         if self.alive and not self.ready:
             self.wait_for_news(0)
             if not self.ready and time.monotonic() - self.started > _READY_WAIT_S:
-                logger.warning("the spare template did not start within %.0f s; spares start "
-                               "as new processes", _READY_WAIT_S)
+                logger.warning("the process template did not start within %.0f s; "
+                               "processes start anew", _READY_WAIT_S)
                 self.close()
         return self.alive and not self.ready
 
@@ -216,7 +210,7 @@ class SpareTemplate:
                 self._sock.setblocking(False)
             self.wait_for_news(_ANSWER_WAIT_S, until=lambda: bool(self._pid_answers))
         except OSError as e:
-            logger.warning("spare template unusable (%s); spares start as new processes", e)
+            logger.warning("process template unusable (%s); processes start anew", e)
             self.close()
         finally:
             for fd in ends:
@@ -225,7 +219,7 @@ class SpareTemplate:
             for f in ours:
                 f.close()
             if self.alive:
-                logger.warning("spare template did not answer; spares start as new processes")
+                logger.warning("process template did not answer; processes start anew")
                 self.close()
             return None
         pipes = ours if ours else [None, None]
@@ -257,7 +251,7 @@ class SpareTemplate:
             except OSError:
                 chunk = b""
             if not chunk:
-                self._gone("the spare template exited")
+                self._gone("the process template exited")
                 break
             self._buf += chunk
         *lines, self._buf = self._buf.split(b"\n")
@@ -274,9 +268,9 @@ class SpareTemplate:
             elif "ready" in msg:
                 self.ready = True
             elif "unusable" in msg:
-                self._gone(f"spare template unusable: {msg['unusable']}")
+                self._gone(f"process template unusable: {msg['unusable']}")
         except (ValueError, TypeError, KeyError):
-            self._gone("the spare template said something malformed")
+            self._gone("the process template said something malformed")
 
     def _gone(self, why: str) -> None:
         if self.alive:

@@ -32,7 +32,7 @@ from typing import IO, Any, Protocol
 
 from tp_launch.procs.guardian import GUARDIAN
 from tp_launch.procs.logs import log_write_failed
-from tp_launch.procs.template import SpareTemplate, forkable
+from tp_launch.procs.template import ProcessTemplate, forkable
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def spawn(argv: list[str], env: dict[str, str], stdout: Any, stderr: Any,
           pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
-    """Start a worker (or the spare template) in a session of its own, tied to the agent."""
+    """Start a worker (or the process template) in a session of its own, tied to the agent."""
     agent_pid = os.getpid()
     return subprocess.Popen(argv, env=env, stdout=stdout, stderr=stderr, pass_fds=pass_fds,
                             start_new_session=True,
@@ -96,7 +96,7 @@ class WorkerProcess:
 
     def __init__(self, argv: list[str], env: dict[str, str], stdout: str | None,
                  stderr: str | None, local_rank: int, piped: bool = False,
-                 template: SpareTemplate | None = None) -> None:
+                 template: ProcessTemplate | None = None) -> None:
         self.local_rank = local_rank
         self.error_file = env.get("TORCHELASTIC_ERROR_FILE", "")
         self._files: list[IO] = []
