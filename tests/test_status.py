@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -83,6 +85,21 @@ def test_bad_status_reply_is_one_line_error(bad, error):
     with pytest.raises(channel.ChannelError) as e:
         channel.decode(json.dumps(doc), channel.TO_WORKER)
     assert error in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_nodes_published_status_round_trips_and_forgeries_are_refused():
+    """What a node publishes for the others (``P/status/<node>``) is read back as the
+    same record; a document that is not one is a ChannelError (left out, one line)."""
+    reply = _reply(ranks=3, spares=2)
+    doc = channel.NodeStatus(t=1.7e9, gen=3, ranks=reply.ranks, parked=reply.parked)
+    assert channel.NodeStatus.from_json(json.loads(json.dumps(asdict(doc)))) == doc
+    good = json.loads(json.dumps(asdict(doc)))
+    for bad, error in [([1, 2], "must be an object"),
+                       ({**good, "t": "now"}, "t must be a number"),
+                       ({**good, "ranks": [{"rank": 0}]}, "ranks[0]: pid is missing"),
+                       ({k: v for k, v in good.items() if k != "gen"}, "gen is missing")]:
+        with pytest.raises(channel.ChannelError, match=re.escape(error)):
+            channel.NodeStatus.from_json(bad)
 
 
 def test_list_fields_are_checked_when_built():

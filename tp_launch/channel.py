@@ -394,6 +394,18 @@ class SpareStatus(_Record):
 
 
 @dataclass(frozen=True)
+class NodeStatus(_Record):
+    """What one node's ranks and parked spares do, as it publishes it for the other
+    nodes (``P/status/<node>``, every 2 s): their ``tp-run status`` and their hang
+    detection across nodes read it. ``t``: ``time.time()`` at publication."""
+
+    t: float
+    gen: int
+    ranks: tuple[RankStatus, ...]
+    parked: tuple[SpareStatus, ...]
+
+
+@dataclass(frozen=True)
 class RecoveryStatus(_Record):
     """One recovery of ``recovery.jsonl`` (``total_s`` None: not reported yet)."""
 

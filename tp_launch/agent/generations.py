@@ -36,7 +36,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from rendezvous import RendezvousError, RendezvousHandler, RendezvousInfo, bounded_json
@@ -44,6 +44,7 @@ from rendezvous.handler import MembershipRendezvous
 from rendezvous.kv import KVError, KVUnavailable
 from rendezvous.state import StateError
 from rendezvous.store_host import StoreHost
+from tp_launch import channel
 from tp_launch.agent.control import Generation
 
 if TYPE_CHECKING:
@@ -102,11 +103,12 @@ class Generations(Protocol):
     def set_parked(self, count: int) -> None:
         """Tell the other nodes how many spares this node has parked."""
 
-    def set_status(self, doc: dict[str, Any]) -> None:
+    def set_status(self, doc: channel.NodeStatus) -> None:
         """Publish what this node's ranks do, for ``tp-run status`` on other nodes."""
 
-    def statuses(self) -> dict[str, dict[str, Any]]:
-        """node -> the status document it published last (other nodes; {}: none)."""
+    def statuses(self) -> dict[str, channel.NodeStatus]:
+        """node -> the status it published last (other nodes; {}: none; a malformed
+        document is left out, logged once)."""
 
     def publish(self, g: Generation) -> bool:
         """Publish ``g`` if the job is still at ``g.gen - 1``; False if another node
@@ -189,10 +191,10 @@ class LocalGenerations:
     def set_parked(self, count: int) -> None:
         pass
 
-    def set_status(self, doc: dict[str, Any]) -> None:
+    def set_status(self, doc: channel.NodeStatus) -> None:
         pass
 
-    def statuses(self) -> dict[str, dict[str, Any]]:
+    def statuses(self) -> dict[str, channel.NodeStatus]:
         return {}
 
     def publish(self, g: Generation) -> bool:
@@ -322,34 +324,30 @@ class SharedGenerations:
         except KVError as e:
             logger.warning("rendezvous: cannot publish the parked spares: %s", e)
 
-    def set_status(self, doc: dict[str, Any]) -> None:
+    def set_status(self, doc: channel.NodeStatus) -> None:
         try:
-            self._m.set_status(json.dumps(doc, separators=(",", ":")))
+            self._m.set_status(json.dumps(asdict(doc), separators=(",", ":")))
         except KVError as e:  # the session puts it again when the backend answers
             logger.debug("rendezvous: the status document waits for the backend: %s", e)
 
-    def statuses(self) -> dict[str, dict[str, Any]]:
-        """Every other node's status document; unreadable ones are left out."""
+    def statuses(self) -> dict[str, channel.NodeStatus]:
+        """Every other node's status; malformed documents are left out."""
         try:
             raw = self._m.statuses()
         except KVError as e:
             logger.debug("rendezvous: cannot read the nodes' status: %s", e)
             return {}
-        docs: dict[str, dict[str, Any]] = {}
+        docs: dict[str, channel.NodeStatus] = {}
         for node, text in raw.items():
             if node == self.node:
                 continue
             try:
-                doc = bounded_json.loads(text)
-            except bounded_json.BoundsError as e:
-                doc = e
-            if not isinstance(doc, dict):
+                docs[node] = channel.NodeStatus.from_json(bounded_json.loads(text))
+            except ValueError as e:  # BoundsError, not JSON, ChannelError
                 if node not in self._malformed_status:  # one line per node
                     self._malformed_status.add(node)
                     logger.error("rendezvous: node %.80r's status document is malformed, "
-                                 "left out: %.120s", node, doc)
-                continue
-            docs[node] = doc
+                                 "left out: %.120s", node, e)
         return docs
 
     def publish(self, g: Generation) -> bool:

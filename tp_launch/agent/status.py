@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict
+from dataclasses import replace
 from typing import Any
 
 from tp_launch import channel, progress
@@ -142,14 +142,15 @@ def _state(at: Attempt) -> str:
 _NODE_MAX = 64
 
 
-def node_status(at: Attempt) -> dict[str, Any]:
+def node_status(at: Attempt) -> channel.NodeStatus:
     """This node's ranks and parked spares, for the other nodes' ``tp-run status``."""
     now = time.monotonic()
     ranks = sorted(at.world.slot_of.items())[: channel.STATUS_MAX_RANKS]
-    return {"t": time.time(), "gen": at.world.gen,
-            "ranks": [asdict(_rank_status(at, r, s, now)) for r, s in ranks],
-            "parked": [asdict(channel.SpareStatus(slot=s, pid=at.procs[s].worker.pid))
-                       for s in at.world.parked if s in at.procs][: channel.STATUS_MAX_SPARES]}
+    return channel.NodeStatus(
+        t=time.time(), gen=at.world.gen,
+        ranks=tuple(_rank_status(at, r, s, now) for r, s in ranks),
+        parked=tuple(channel.SpareStatus(slot=s, pid=at.procs[s].worker.pid)
+                     for s in at.world.parked if s in at.procs)[: channel.STATUS_MAX_SPARES])
 
 
 def _elsewhere(at: Attempt, aged: bool = True
@@ -159,24 +160,14 @@ def _elsewhere(at: Attempt, aged: bool = True
     ranks: list[channel.RankStatus] = []
     spares: list[channel.SpareStatus] = []
     for node, doc in sorted(at.gens.statuses().items()):
-        late = _number(doc.get("t"))
-        late = max(0.0, time.time() - late) if late is not None and aged else 0.0
+        late = max(0.0, time.time() - doc.t) if aged else 0.0
         name = node[:_NODE_MAX]
-        for item in doc.get("ranks", []) if isinstance(doc.get("ranks"), list) else []:
-            try:
-                r = channel.RankStatus.from_json(item)
-            except channel.ChannelError:
-                continue
-            ranks.append(channel.RankStatus(**{
-                **asdict(r), "node": name,
-                "commit_age_s": None if r.commit_age_s is None else r.commit_age_s + late,
-                "beat_age_s": None if r.beat_age_s is None else r.beat_age_s + late}))
-        for item in doc.get("parked", []) if isinstance(doc.get("parked"), list) else []:
-            try:
-                spares.append(channel.SpareStatus(**{
-                    **asdict(channel.SpareStatus.from_json(item)), "node": name}))
-            except channel.ChannelError:
-                continue
+        for r in doc.ranks:
+            ranks.append(replace(
+                r, node=name,
+                commit_age_s=None if r.commit_age_s is None else r.commit_age_s + late,
+                beat_age_s=None if r.beat_age_s is None else r.beat_age_s + late))
+        spares += [replace(s, node=name) for s in doc.parked]
     return ranks, spares
 
 
