@@ -132,7 +132,7 @@ def test_evaluation_phases_are_not_hangs(workdir, test_env, reference, marked):
     10x the step time unmarked, or longer than the hang timeout inside
     ``state.long_phase()``."""
     log_dir = workdir / "logs"
-    script = ["--step-sleep", "0.1", "--eval-every", "8",
+    script = ["--step-sleep", "0.1", "--eval-every", "12",
               "--eval-s", "3" if marked else "1.0"] + (["--eval-marked"] if marked else [])
     proc, out = launch(workdir, test_env, ["--nproc-per-node", "4", "--spares", "1",
                                            "--log-dir", str(log_dir), "--hang-timeout", "1"],
