@@ -11,6 +11,12 @@ finite numbers (``nan`` would wait forever). Unknown keys are ignored, as torchr
 ignores them, unless they look like a misspelled known key (``ca-cert``,
 ``join_timout``): that is an error, since the setting the user meant would silently
 not apply.
+
+Resilient mode (``--spares K``) leases are short (:func:`with_resilient_lease`): TTL 3 s,
+a keep-alive every 0.5 s, unless ``--rdzv-conf`` names ``lease_ttl``, ``ttl``,
+``heartbeat_timeout`` or ``keep_alive_interval``: a lost node is then noticed in about 3 s
+(torchrun's 30 s is for jobs that restart everything anyway). See docs/architecture.md,
+"Hosts that vanish (issue 23)", for why this gives no false alarm on a slow node.
 """
 
 from __future__ import annotations
@@ -31,6 +37,22 @@ _ALIASES = {"timeout": "join_timeout", "ttl": "lease_ttl"}
 BACKEND_KEYS = {"protocol", "cacert", "ca_cert", "cert", "ssl_cert", "key", "ssl_cert_key",
                 "etcd_prefix", "user", "is_host", "store_type", "use_libuv",
                 "rank", "local_addr"}
+
+
+# Resilient mode's lease (issue 23). etcd's own floor is ~2 s (1.5 election timeouts,
+# rounded up); 3 s leaves the keep-alive five tries (and 2.5 s of a stalled thread or
+# network) before a live node is taken for lost.
+RESILIENT_LEASE_TTL = "3"
+RESILIENT_KEEP_ALIVE = "0.5"
+_LEASE_KEYS = frozenset({"lease_ttl", "ttl", "heartbeat_timeout", "keep_alive_interval"})
+
+
+def with_resilient_lease(conf: dict[str, str]) -> dict[str, str]:
+    """``conf`` with resilient mode's short lease, unless it says anything about the
+    lease itself (then it is the user's, as given)."""
+    if _LEASE_KEYS & conf.keys():
+        return conf
+    return {**conf, "lease_ttl": RESILIENT_LEASE_TTL, "keep_alive_interval": RESILIENT_KEEP_ALIVE}
 
 
 def timeouts_from_conf(conf: dict[str, str]) -> Timeouts:

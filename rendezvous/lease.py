@@ -14,6 +14,14 @@ observe anyone meanwhile, so nothing is concluded from it.
 - A keep-alive that cannot reach the backend is retried every second; the lease is not
   given up. etcd keeps leases across a restart and gives each its full TTL again when a
   leader takes over, so nobody is counted lost because etcd was down.
+- But etcd's own host cut off from every node (etcd up, unreachable) for longer than
+  the TTL expires every lease: each node comes back at its own time (its TCP
+  retransmission backoff), and the first back must not take the others, still missing,
+  for lost. :meth:`LeaseSession.cut_off_at` is the last time this member knew itself
+  cut off (a request met the backend unreachable, its lease had expired, no keep-alive
+  answered for longer than the TTL less one keep-alive interval: exactly when a cut
+  that began with this member's could have expired another's lease); the agent takes
+  nobody for lost within :data:`tp_launch.agent.decisions.LOST_GRACE_S` of it.
 - A lease that did expire (this member alone was cut off for longer than the TTL while
   the others could see the backend) is replaced by a new one carrying the same keys
   (:attr:`LeaseSession.epoch` goes up); if the others acted meanwhile, the state says so,
@@ -78,6 +86,10 @@ class LeaseSession:
         self._thread: threading.Thread | None = None
         self.broken: str | None = None  # the backend refuses the keep-alive
         self._outage_logged: float | None = None  # when this outage was logged
+        # monotonic: the last time this member knew itself cut off from the backend
+        # (see cut_off_at()), and the last keep-alive answered.
+        self._cut_off_at = -1e9
+        self._last_ok: float | None = None
 
     # ---------------------------------------------------------------- keys
 
@@ -115,12 +127,33 @@ class LeaseSession:
 
     # ---------------------------------------------------------------- keep-alive
 
+    def cut_off_at(self) -> float:
+        """monotonic: the last time this member knew itself cut off from the backend: a
+        request met it unreachable, its lease had expired, or no keep-alive was answered
+        for longer than ``ttl - keep_alive_interval`` (now, if that is so now: a
+        member's lease may have expired meanwhile whose cut began when this one's did).
+        Until the others had time to come back too, what this member sees missing is no
+        evidence (see Outages, above)."""
+        now = time.monotonic()
+        if self._last_ok is not None and not self.done.is_set() and \
+                now - self._last_ok > self.ttl - self.keep_alive_interval:
+            return now
+        return self._cut_off_at
+
     def _keep_alive(self) -> None:
         failures = 0
+        self._last_ok = time.monotonic()
         while not self.done.wait(self.keep_alive_interval if self._outage_logged is None
                                  else min(1.0, self.keep_alive_interval)):
             try:
                 alive = self.kv.lease_keepalive(self.lease)
+                # A network that drops everything makes a request hang rather than fail:
+                # an answer this late says this member was cut off (see cut_off_at).
+                now = time.monotonic()
+                if self._last_ok is not None and \
+                        now - self._last_ok > self.ttl - self.keep_alive_interval:
+                    self._cut_off_at = now
+                self._last_ok = now
             except KVUnavailable as e:
                 self.note_outage(e)
                 continue
@@ -150,6 +183,7 @@ class LeaseSession:
                 return
             self.lease = lease
             self.epoch += 1
+            self._cut_off_at = time.monotonic()
         self._put_again()
         logger.warning("this node's rendezvous lease had expired (cut off from the backend "
                        "for longer than lease_ttl=%gs); it holds a new one with the same keys",
@@ -184,6 +218,7 @@ class LeaseSession:
             f"than outage_timeout={self.outage_timeout:g}s ({e})")
 
     def note_outage(self, e: KVError) -> None:
+        self._cut_off_at = time.monotonic()
         if self._outage_logged is None:
             self._outage_logged = time.monotonic()
             logger.warning("the rendezvous backend is unreachable (%s); the workers keep "

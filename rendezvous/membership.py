@@ -197,6 +197,10 @@ class Membership:
     def outage_s(self) -> float:
         return self.session.outage_s()
 
+    def cut_off_at(self) -> float:
+        """monotonic: the last time this member knew itself cut off from the backend."""
+        return self.session.cut_off_at()
+
     def outage_error(self, e: KVError) -> RendezvousError:
         return self.session.outage_error(e)
 

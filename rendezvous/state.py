@@ -115,6 +115,16 @@ class Member:
         return Member(d["id"], d["addr"], d["lws"])
 
 
+def member_addr(member_id: str) -> str | None:
+    """The address a member id names (``<addr>-<pid>-<hex8>``, as
+    :func:`rendezvous.membership.new_member_id` makes it), None if it is not one."""
+    addr, sep, rest = member_id.rpartition("-")
+    addr, sep2, pid = addr.rpartition("-")
+    if not (sep and sep2 and addr and pid.isdigit() and len(rest) == 8):
+        return None
+    return addr
+
+
 @dataclass(frozen=True)
 class JoinRecord:
     """A join key's value: the member and its join time (``t``, wall clock)."""

@@ -17,10 +17,13 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import psutil
 import pytest
+
+if TYPE_CHECKING:
+    from tests.hosts import Cluster
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -326,3 +329,30 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
                         {**env, "OUT": str(out), "OMP_NUM_THREADS": "1"}, workdir)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((out / "final_0.json").read_text())["checksum"]
+
+
+# ---------------------------------------------------------------- emulated hosts
+
+
+@pytest.fixture
+def emulated_cluster() -> Iterator[Callable[..., "Cluster"]]:
+    """``emulated_cluster(n, tag)``: a :class:`tests.hosts.Cluster` of ``n`` emulated hosts
+    (network namespaces on a bridge), removed with every process in it after the test,
+    whatever the outcome (and at exit, should the test be interrupted). Skipped, with one
+    line saying why, where hosts cannot be emulated."""
+    from tests.hosts import Cluster, cannot_emulate
+
+    why = cannot_emulate()
+    if why:
+        pytest.skip(why)
+    made: list[Cluster] = []
+
+    def make(n: int, tag: str = "") -> Cluster:
+        made.append(Cluster(n, tag))
+        return made[-1]
+
+    try:
+        yield make
+    finally:
+        for cluster in made:
+            cluster.close()

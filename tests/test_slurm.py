@@ -48,6 +48,13 @@ def test_defaults_from_a_step():
                                     "master_addr": "gpu02"}
 
 
+def test_local_addr_is_the_node_name():
+    """--local-addr: the node's name in the node list (the names --master-addr takes),
+    not the machine's FQDN, which may resolve to another address elsewhere."""
+    assert slurm_defaults({**STEP, "SLURMD_NODENAME": "gpu04"})["local_addr"] == "gpu04"
+    assert "local_addr" not in slurm_defaults(STEP)
+
+
 def test_job_nodelist_when_no_step_nodelist():
     env = {k: v for k, v in STEP.items() if k != "SLURM_STEP_NODELIST"}
     assert slurm_defaults(env)["master_addr"] == "gpu01"

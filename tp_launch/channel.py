@@ -49,7 +49,9 @@ to a worker (:data:`TO_WORKER`)
         master_addr, master_port, reason, boundary (step at which to stop, planned
         migration only), handoff (planned migration: :class:`Handoff` {role:
         "donor"|"receiver", prefix}), from_slot (a newcomer: the slot of its rank's last
-        holder on this node, whose per-rank record it reads)}.
+        holder on this node, whose per-rank record it reads), lost_addrs (the addresses
+        of the nodes this generation replaced as lost: the worker shuts its TCP
+        connections to them)}.
     :class:`Exit` ``exit`` {}: every rank finished (ranks return from ``run``), or the
         job is over (spares exit 0).
     :class:`Recovering` ``recovering`` {}: the agent waits for a spare
@@ -343,6 +345,10 @@ class NewGeneration(Message):
     boundary: int | None = None
     handoff: Handoff | None = None
     from_slot: int | None = None
+    # The addresses of the nodes this generation replaced as lost (vanished hosts): the
+    # worker shuts its TCP connections to them (tp_launch.resilient.peers), since a
+    # vanished peer closes nothing and gloo would wait for its own timeout.
+    lost_addrs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -212,6 +212,10 @@ def config_from_options(opts: dict[str, Any]) -> LaunchConfig:
         from rendezvous.conf import validate
 
         validate(backend, endpoint, rdzv_configs)  # bad etcd/c10d settings: exit 2 up front
+        if opts["spares"]:
+            from rendezvous.conf import with_resilient_lease
+
+            rdzv_configs = with_resilient_lease(rdzv_configs)
 
     script, script_args = opts["training_script"], list(opts["training_script_args"])
     if script == "--" and script_args:

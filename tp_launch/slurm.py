@@ -8,7 +8,15 @@ node), the defaults become:
 - ``--nnodes``: ``SLURM_NNODES`` (``SLURM_STEP_NUM_NODES`` if set);
 - ``--node-rank`` (static): ``SLURM_NODEID``;
 - ``--master-addr``: the first host of the step's node list (``SLURM_STEP_NODELIST``,
-  else ``SLURM_JOB_NODELIST``), with Slurm's compressed host lists expanded.
+  else ``SLURM_JOB_NODELIST``), with Slurm's compressed host lists expanded;
+- ``--local-addr``: ``SLURMD_NODENAME``, this node's name in that list. The stores and
+  the rendezvous record of this node are then reached by the name every node already
+  uses for node 0, not by this machine's own idea of its name (its FQDN, which need not
+  resolve to the same address elsewhere, or may resolve to a loopback address).
+
+Node names must therefore resolve to the nodes' addresses on every node (Slurm itself
+needs them to unless ``NodeAddr`` is set); where they do not, pass ``--master-addr`` and
+``--local-addr``.
 
 Explicit flags (and ``PET_*`` variables) always win. ``TP_RUN_NO_SLURM=1`` turns the
 defaults off.
@@ -90,7 +98,8 @@ def in_slurm_step(env: Mapping[str, str]) -> bool:
 def slurm_defaults(env: Mapping[str, str]) -> dict[str, object]:
     """The option defaults a Slurm step implies ({} outside one).
 
-    Keys: ``rdzv_id``, ``nnodes``, ``node_rank``, ``master_addr`` (only those known).
+    Keys: ``rdzv_id``, ``nnodes``, ``node_rank``, ``master_addr``, ``local_addr`` (only
+    those known).
 
     Raises:
         ConfigError: the step runs more than one tp-run task per node, or a malformed
@@ -118,5 +127,7 @@ def slurm_defaults(env: Mapping[str, str]) -> dict[str, object]:
         hosts = expand_hostlist(nodelist)
         if hosts:
             out["master_addr"] = hosts[0]
+    if env.get("SLURMD_NODENAME"):
+        out["local_addr"] = env["SLURMD_NODENAME"]
     logger.info("Slurm step %s: defaults %s", out["rdzv_id"], out)
     return out

@@ -91,6 +91,8 @@ class Attempt:
     origin: dict[int, int] = field(default_factory=dict)  # rank -> slot of its last holder
     # This node's ranks moved away on an advance warning: its spares take no rank.
     draining: bool = False
+    # The lost nodes' addresses of the generation applied last (decisions.lost_addresses).
+    lost_addrs: tuple[str, ...] = ()
 
     @property
     def resilient(self) -> bool:
@@ -169,4 +171,4 @@ class Attempt:
         return channel.NewGeneration(gen=g.gen, rank=rank, world_size=g.world_size,
                                      master_addr=g.store[0], master_port=g.store[1],
                                      reason=g.reason, boundary=g.boundary, handoff=handoff,
-                                     from_slot=from_slot)
+                                     from_slot=from_slot, lost_addrs=self.lost_addrs)

@@ -24,6 +24,8 @@ The decisions:
 - :func:`judge_view`: what the job's state, read from the backend, asks of this node
   (stop, apply another node's generation, end the job, move a lost node's ranks, retry
   a pending recovery);
+- :func:`lost_addresses`: whose TCP connections this node's workers shut when they
+  take a generation (the nodes it replaced as lost);
 - :func:`migration_refusal`, :func:`node_migration_refusal`: why a planned migration
   cannot happen now (``None``: it can);
 - :func:`attempt_settled`: the attempt ends with success.
@@ -37,6 +39,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Literal, Mapping, Sequence
 
+from rendezvous.state import member_addr
 from tp_launch.agent.control import CrashLoop, Generation
 from tp_launch.worker_settings import RECOVERY_WAIT_S
 
@@ -293,8 +296,30 @@ class ViewDecision:
     retry: bool = False  # retry the pending recovery
 
 
+def lost_addresses(previous: Generation, g: Generation, node: str) -> tuple[str, ...]:
+    """The addresses this node's workers shut their TCP connections to when they take
+    ``g`` (:attr:`tp_launch.channel.NewGeneration.lost_addrs`): those of the nodes that
+    held ranks in ``previous`` and hold none in ``g``, lost (a planned migration's
+    ``boundary`` means the leaving node hands its state over: never cut). An address
+    that is also a node of ``g``'s, or this node's own (nodes sharing one address, on
+    one machine), is never cut: that would cut live peers too."""
+    if g.boundary is not None:
+        return ()
+    kept = {member_addr(n) for n in (*g.nodes, node)}
+    gone = {member_addr(n) for n in previous.nodes if n not in g.ranks.values()}
+    return tuple(sorted(a for a in gone - kept if a))
+
+
+# After this node was cut off from the backend, how long nodes missing from it are not
+# taken for lost. If the backend's own host was cut off, every lease expired there, and
+# each node comes back when its own TCP retransmission does (backoff: up to several
+# seconds after a 10 s cut); the first back saw everyone else missing. A node that was
+# not cut off decides at once (a vanished host: its lease TTL, seconds).
+LOST_GRACE_S = 15.0
+
+
 def judge_view(view: ViewFacts, node: str, applied_gen: int, phase: Phase,
-               pending: Pending) -> ViewDecision:
+               pending: Pending, cut_off_s: float = float("inf")) -> ViewDecision:
     """What this node does about the job's state.
 
     The backend refusing this node, or a node asking for a stop or a restart (before
@@ -305,6 +330,9 @@ def judge_view(view: ViewFacts, node: str, applied_gen: int, phase: Phase,
     tries it again (a spare may have parked elsewhere, the backend may answer now). A
     recovery deferred for the backend is void once a newer generation is applied (it
     gave this node's dead ranks this node's spares); one waiting for a spare is not.
+    ``cut_off_s``: seconds since this node was last cut off from the backend; within
+    :data:`LOST_GRACE_S` of that, no node is taken for lost (the others may be on their
+    way back, as this one was).
     """
     if view.broken:
         return ViewDecision(stop="broken")
@@ -320,7 +348,7 @@ def judge_view(view: ViewFacts, node: str, applied_gen: int, phase: Phase,
         return decision
     lost = [n for n in g.nodes if n not in view.alive]
     survivors = sorted(n for n in g.nodes if n in view.alive)
-    if lost and survivors and survivors[0] == node:
+    if lost and survivors and survivors[0] == node and cut_off_s >= LOST_GRACE_S:
         decision.lost_nodes = lost
         decision.move = {r: n for r, n in g.ranks.items() if n in lost}
     elif pending.no_spare or (pending.no_backend and decision.apply is None):

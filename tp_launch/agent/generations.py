@@ -127,6 +127,9 @@ class Generations(Protocol):
     def outage_s(self) -> float:
         """How long the backend has been unreachable (0: it answers)."""
 
+    def cut_off_at(self) -> float:
+        """monotonic: the last time this node knew itself cut off from the backend."""
+
     @property
     def outage_timeout(self) -> float:
         """How long what needs the backend waits for it."""
@@ -209,6 +212,9 @@ class LocalGenerations:
 
     def outage_s(self) -> float:
         return 0.0
+
+    def cut_off_at(self) -> float:
+        return -1e9
 
     def outage_error(self, e: KVError) -> RendezvousError:
         return RendezvousError(str(e))
@@ -387,6 +393,9 @@ class SharedGenerations:
 
     def outage_s(self) -> float:
         return self._m.outage_s()
+
+    def cut_off_at(self) -> float:
+        return self._m.cut_off_at()
 
     @property
     def outage_timeout(self) -> float:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -58,6 +59,7 @@ from tp_launch.agent.decisions import (
     StateLost,
     ViewFacts,
     judge_view,
+    lost_addresses,
     migration_refusal,
     node_migration_refusal,
     placement_order,
@@ -194,10 +196,12 @@ class Recoverer:
         dead_here = {r: at.failed_record(r) for r, s in before.items() if s in at.failed}
         placed = world.apply(g, at.failed.__contains__)
         at.gen = g
+        at.lost_addrs = lost_addresses(previous, g, world.node)
         at.unplaced = placed.unplaced
         if placed.promoted:
             at.pool = self.config.spares  # a spare node is an active node now
         handoffs: dict[int, channel.Handoff] = {}
+        fenced: dict[int, int] = {}
         for rank, slot in placed.released.items():
             if not at.alive(slot):
                 continue
@@ -214,6 +218,10 @@ class Recoverer:
                 at.tell(slot, at.generation_msg(None, channel.Handoff("donor", prefix)))
             else:
                 at.tell(slot, at.generation_msg(None))  # retire it
+                if g.boundary is None:
+                    fenced[rank] = slot
+        if fenced:
+            self._fence(fenced)
         for rank in placed.promoted:
             source = previous.ranks.get(rank)
             if rank not in handoffs and g.boundary is not None and rank in g.replaced and \
@@ -381,7 +389,9 @@ class Recoverer:
         g = view.generation
         facts = ViewFacts(g, frozenset(view.alive), view.failed, view.final, view.complete,
                           view.all_finished(), view.broken)
-        decision = judge_view(facts, at.gens.node, at.world.gen, at.phase, at.pending)
+        cut_off_s = time.monotonic() - max(at.outage_seen, at.gens.cut_off_at())
+        decision = judge_view(facts, at.gens.node, at.world.gen, at.phase, at.pending,
+                              cut_off_s)
         if decision.stop is not None:
             stop_workers(self.processes.workers, signal.SIGTERM, self.config.shutdown_timeout)
             if decision.stop == "broken":
@@ -408,6 +418,24 @@ class Recoverer:
         elif decision.retry:
             # A spare may have parked elsewhere; a deferred generation can go out now.
             self.recover({}, at.pending.since, view)
+
+    def _fence(self, fenced: dict[int, int]) -> None:
+        """Ranks of this node (rank -> slot) went to other nodes with no handoff: the
+        others took this node for lost (it was cut off from the backend for longer than
+        its lease). Its processes for them are stale: told to retire, they would only
+        notice at their next collective or iteration, and a long step or a local phase
+        (an evaluation, a checkpoint) could go on as the rank meanwhile. SIGKILL them
+        with their process group now (a retired rank's exit is no failure)."""
+        at = self.attempt
+        logger.warning("this node's rank(s) %s were given to other nodes while it was cut "
+                       "off from the rendezvous (taken for lost): their processes here are "
+                       "stopped", sorted(fenced))
+        for slot in fenced.values():
+            try:
+                # Not reaped yet (alive): the pid is still this worker's, not reused.
+                os.killpg(at.procs[slot].worker.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def _backend_unreachable(self, e: KVError) -> None:
         """Multi-node, the backend cannot be reached: the workers keep running; what

@@ -6,7 +6,9 @@ it: the newest generation announced (``generation``), whether the job is over
 (``exit``, or the agent went away) and whether the agent waits for a spare
 (``recovering``: wait for the next generation without a limit). A ``generation`` that
 is not a planned migration's aborts NCCL's communicators at once from that thread
-(:func:`tp_launch.resilient.group.abort_nccl`). The training thread asks
+(:func:`tp_launch.resilient.group.abort_nccl`), and shuts the TCP connections to the
+nodes it replaced as lost (:func:`tp_launch.resilient.peers.shut_connections_to`). The
+training thread asks
 (:meth:`AgentLink.newer`, :meth:`AgentLink.wait`) and sends its own messages
 (:meth:`AgentLink.send`). A line the agent sent that does not decode is logged and
 treated as the agent going away.
@@ -21,7 +23,7 @@ import threading
 import time
 
 from tp_launch import channel, progress
-from tp_launch.resilient import group
+from tp_launch.resilient import group, peers
 from tp_launch.worker_settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
@@ -78,7 +80,9 @@ class AgentLink:
                         self._recovering = True
                     self._cond.notify_all()
                 if isinstance(msg, channel.NewGeneration) and msg.boundary is None:
-                    group.abort_nccl()  # gloo needs no help: see group.py
+                    group.abort_nccl()  # gloo needs no help: see group.py...
+                    if msg.lost_addrs:  # ...unless a peer vanished without closing
+                        peers.shut_connections_to(msg.lost_addrs)
 
     def joined(self) -> None:
         """This process holds the agreed state of the current generation: a wait for a
