@@ -201,6 +201,9 @@ def kill_tree(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--matrix", action="store_true",
                      help="also run the combinatorial kill matrices (marker: matrix)")
+    parser.addoption("--repeat", type=int, default=1, metavar="N",
+                     help="run the selected tests N times, round after round (hunting a "
+                          "flaky case: next to `yes > /dev/null`, say)")
 
 
 def _matrix_wanted(config: pytest.Config) -> bool:
@@ -208,6 +211,9 @@ def _matrix_wanted(config: pytest.Config) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Rounds, not each test N times in a row: a session fixture is shared, and each
+    # round meets the others' leftovers as the suite would.
+    items[:] = items * max(1, config.getoption("--repeat"))
     if _matrix_wanted(config):
         return
     skip = pytest.mark.skip(reason="the combinatorial matrix: run with --matrix")
