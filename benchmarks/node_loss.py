@@ -35,7 +35,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -45,33 +44,12 @@ REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
 from tests.etcd_server import EtcdServer  # noqa: E402
-from tests.hosts import Cluster, Host, cannot_emulate  # noqa: E402
-from tp_launch.control_files import find_agents  # noqa: E402
+from tests.hosts import Cluster, Host, HostAgent as Agent, cannot_emulate  # noqa: E402
 
 TP_RUN = [sys.executable, "-m", "tp_launch"]
 SCRIPT = "scripts/resilient_train.py"
 STEPS = 24
 TIMEOUT = 240.0
-
-
-class Agent:
-    def __init__(self, host: Host, argv: list[str], env: dict[str, str], cwd: Path) -> None:
-        self.host = host
-        self.proc = host.popen(argv, env=env, cwd=cwd, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True)
-        self.lines: list[tuple[float, str]] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.append((time.monotonic(), line))
-
-    def count(self, text: str) -> int:
-        return sum(text in line for _, line in list(self.lines))
-
-    def status(self):
-        return next((a for a in find_agents() if a.pid == self.proc.pid), None)
 
 
 def wait(cond, what: str, timeout: float = TIMEOUT) -> None:

@@ -52,9 +52,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Sequence
+
+from tp_launch.control_files import find_agents
 
 NETWORK = ipaddress.IPv4Network("198.18.0.0/15")
 _LOCK = Path("/tmp/tp-run-hosts.lock")
@@ -208,6 +211,51 @@ class Host:
     def restore(self) -> None:
         """The host's link up again."""
         _ip("link", "set", self.link, "up")
+
+
+class HostAgent:
+    """One tp-run agent on an emulated host; its stderr lines kept with their arrival time."""
+
+    def __init__(self, host: Host, argv: list[str], env: dict[str, str], cwd: Path) -> None:
+        self.host = host
+        self.proc = host.popen(argv, env=env, cwd=cwd, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+        self.lines: list[tuple[float, str]] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append((time.monotonic(), line))
+
+    @property
+    def stderr(self) -> str:
+        return "".join(line for _, line in list(self.lines))
+
+    def count(self, text: str) -> int:
+        """How many stderr lines so far contain ``text``."""
+        return sum(text in line for _, line in list(self.lines))
+
+    def first(self, text: str, after: float = 0.0) -> float | None:
+        """When a stderr line containing ``text`` arrived (after ``after``), or None."""
+        return next((t for t, line in list(self.lines) if text in line and t >= after), None)
+
+    def status(self):
+        return next((a for a in find_agents() if a.pid == self.proc.pid), None)
+
+    def ranks(self) -> set[int]:
+        s = self.status()
+        return set() if s is None else set(s.ranks)
+
+    def parked(self) -> int:
+        s = self.status()
+        return 0 if s is None else len(s.parked_spares)
+
+    def wait(self, timeout: float) -> int:
+        rc = self.proc.wait(timeout)
+        self._reader.join(10)
+        return rc
 
 
 class Cluster:

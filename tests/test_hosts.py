@@ -13,9 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -24,55 +22,13 @@ from typing import Iterator
 import pytest
 
 from tests.conftest import HANG_TIMEOUT, RESILIENT_SCRIPT, RESILIENT_STEPS, TP_RUN
-from tests.hosts import Cluster, Host
-from tp_launch.control_files import find_agents
+from tests.hosts import Cluster, HostAgent as Agent
 
 pytestmark = pytest.mark.slow
 
 # A node's loss is acted on well within this; the tests assert it against hangs only
 # (timings are printed, never asserted tightly).
 RECOVERED_WITHIN = 60.0
-
-
-class Agent:
-    """One tp-run agent on an emulated host; its stderr lines kept with their arrival time."""
-
-    def __init__(self, host: Host, argv: list[str], env: dict[str, str], cwd: Path) -> None:
-        self.host = host
-        self.proc = host.popen(argv, env=env, cwd=cwd, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True)
-        self.lines: list[tuple[float, str]] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.append((time.monotonic(), line))
-
-    @property
-    def stderr(self) -> str:
-        return "".join(line for _, line in list(self.lines))
-
-    def first(self, text: str, after: float = 0.0) -> float | None:
-        """When a stderr line containing ``text`` arrived (after ``after``), or None."""
-        return next((t for t, line in list(self.lines) if text in line and t >= after), None)
-
-    def status(self):
-        return next((a for a in find_agents() if a.pid == self.proc.pid), None)
-
-    def ranks(self) -> set[int]:
-        s = self.status()
-        return set() if s is None else set(s.ranks)
-
-    def parked(self) -> int:
-        s = self.status()
-        return 0 if s is None else len(s.parked_spares)
-
-    def wait(self, timeout: float = HANG_TIMEOUT) -> int:
-        rc = self.proc.wait(timeout)
-        self._reader.join(10)
-        return rc
 
 
 def wait_until(cond, what: str, timeout: float = HANG_TIMEOUT, job: "Job | None" = None
@@ -183,7 +139,7 @@ def resumed_after(job: Job, t0: float, *agents: Agent) -> float:
 
 def assert_completed(job: Job, reference: str, agents: list[Agent]) -> None:
     for a in agents:
-        rc = a.wait()
+        rc = a.wait(HANG_TIMEOUT)
         assert rc == 0, a.stderr[-4000:]
     final = job.finals()
     assert {r["checksum"] for r in final} == {reference}, final

@@ -104,6 +104,20 @@ def entries(out: Path) -> dict[int, list[tuple[int, int]]]:
     return found
 
 
+def held_ranks(slurm_cluster: Any, job_id: str, out: Path, output: Path, deadline: float
+               ) -> tuple[dict[int, int], dict[str, set[int]]]:
+    """Once the 4 ranks hold (the job pending or running until then, by ``deadline``):
+    rank -> the pid that first trained it, and host name -> the ranks it holds."""
+    while not all((out / f"held_{r}").exists() for r in range(4)):
+        assert time.monotonic() < deadline and slurm_cluster.job(job_id)["JobState"] in (
+            "PENDING", "RUNNING"), console(output.read_text(errors="replace"))
+        time.sleep(0.2)
+    first = {ranks[0][0]: pid for pid, ranks in entries(out).items()}
+    on_host = {h.name: set(h.pids()) for h in slurm_cluster.nodes}
+    return first, {name: {r for r, pid in first.items() if pid in pids}
+                   for name, pids in on_host.items()}
+
+
 def workers(host: Any) -> set[int]:
     """The host's processes running the training script (ranks and parked spares)."""
     found = set()
@@ -139,14 +153,7 @@ def test_node_warning_moves_its_ranks_to_the_spare_node(slurm, workdir, test_env
     hosts = slurm_cluster.nodes
     job_id, out, output = submit(slurm_cluster, etcd, workdir, test_env, "--hold-at", "8")
     deadline = time.monotonic() + HANG_TIMEOUT
-    while not all((out / f"held_{r}").exists() for r in range(4)):
-        assert time.monotonic() < deadline and slurm_cluster.job(job_id)["JobState"] in (
-            "PENDING", "RUNNING"), console(output.read_text(errors="replace"))
-        time.sleep(0.2)
-    first = {ranks[0][0]: pid for pid, ranks in entries(out).items()}
-    on_host = {h.name: set(h.pids()) for h in hosts}
-    ranks_on = {name: {r for r, pid in first.items() if pid in pids}
-                for name, pids in on_host.items()}
+    first, ranks_on = held_ranks(slurm_cluster, job_id, out, output, deadline)
     assert sorted(len(r) for r in ranks_on.values()) == [0, 2, 2], ranks_on
     spare_node = next(n for n, r in ranks_on.items() if not r)
     warned = next(n for n, r in ranks_on.items() if r and 0 not in r)
@@ -198,12 +205,7 @@ def test_a_whole_host_killed_mid_job(slurm, workdir, test_env, reference):
     hosts = slurm_cluster.nodes
     job_id, out, output = submit(slurm_cluster, etcd, workdir, test_env, "--hold-at", "8")
     deadline = time.monotonic() + HANG_TIMEOUT
-    while not all((out / f"held_{r}").exists() for r in range(4)):
-        assert time.monotonic() < deadline and slurm_cluster.job(job_id)["JobState"] in (
-            "PENDING", "RUNNING"), console(output.read_text(errors="replace"))
-        time.sleep(0.2)
-    first = {ranks[0][0]: pid for pid, ranks in entries(out).items()}
-    ranks_on = {h.name: {r for r, pid in first.items() if pid in set(h.pids())} for h in hosts}
+    first, ranks_on = held_ranks(slurm_cluster, job_id, out, output, deadline)
     spare_host = next(h for h in hosts if not ranks_on[h.name])
     victim = next(h for h in hosts[1:] if ranks_on[h.name])
     while len(workers(spare_host)) < 3:
