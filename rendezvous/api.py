@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from rendezvous.store_host import StoreServer
 
 
 class RendezvousError(RuntimeError):
@@ -109,6 +112,14 @@ class RendezvousHandler(abc.ABC):
         """This node's workers succeeded: wait until every node's did; the change that
         stopped the wait if one did not."""
         return None
+
+    # Where the stores this agent hosts are served (None: in the agent itself).
+    store_server: StoreServer | None = None
+
+    def host_stores_with(self, server: StoreServer | None) -> None:
+        """Serve the stores this agent hosts from now on in ``server``'s process
+        (:class:`rendezvous.store_host.StoreServer`), so the agent need not import torch."""
+        self.store_server = server
 
     def accept_spare_nodes(self) -> None:
         """Resilient mode: a node beyond the world joins as a spare node

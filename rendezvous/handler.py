@@ -55,17 +55,18 @@ class MembershipRendezvous(RendezvousHandler):
     def next_rendezvous(self, local_world_size: int) -> RendezvousInfo:
         self._close_store()
         m = self.membership
-        # torch before the lease: the stores need it, and importing it (on a store's
-        # thread, say) holds the GIL for seconds at a time on a loaded machine, which
-        # would starve the keep-alive thread past a short lease_ttl.
-        from rendezvous.quiet import import_torch_quietly
+        if self.store_server is None:
+            # torch before the lease: the stores need it, and importing it (on a store's
+            # thread, say) holds the GIL for seconds at a time on a loaded machine,
+            # which would starve the keep-alive thread past a short lease_ttl.
+            from rendezvous.quiet import import_torch_quietly
 
-        import_torch_quietly()
+            import_torch_quietly()
         world = m.join(local_world_size)
         try:
             if world.node_rank == 0:
                 try:
-                    self._host = StoreHost(m.addr, 0)  # the address the others are told
+                    self._host = StoreHost(m.addr, 0, self.store_server)  # the address told
                 except OSError as e:
                     raise RendezvousError(str(e)) from None
                 port = self._host.port

@@ -58,7 +58,8 @@ class StaticRendezvous(RendezvousHandler):
         if self._node_rank == 0:
             self._close_store()
             try:
-                self._host = StoreHost(self._master_addr, self._master_port)
+                self._host = StoreHost(self._master_addr, self._master_port,
+                                       self.store_server)
             except OSError as e:
                 raise RendezvousError(str(e)) from None
             port = self._host.port

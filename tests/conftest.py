@@ -37,6 +37,17 @@ RESILIENT_STEPS = 24
 # Generous limits against hangs only; no test asserts a duration.
 HANG_TIMEOUT = 180
 
+# The test files that take longest, longest first (as measured in a clean-clone CI run):
+# the order they are handed out in under -n N. Only the order: a stale list costs
+# minutes, never a result.
+LONGEST_FILES = (
+    "test_sharded.py", "test_resilient.py", "test_hang_recovery.py", "test_etcd_outages.py",
+    "test_exactness.py", "test_loops.py", "test_rendezvous_e2e.py", "test_hosts.py",
+    "test_failures.py", "test_conformance.py", "test_advance.py", "test_slurm_cluster.py",
+    "test_control_security.py", "test_transfer.py", "test_rendezvous_security.py",
+    "test_status.py", "test_rendezvous.py", "test_forged_documents.py",
+)
+
 
 def marked_processes(marker: str) -> list[psutil.Process]:
     found = []
@@ -211,6 +222,12 @@ def _matrix_wanted(config: pytest.Config) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The longest files first (their order kept inside each file): under -n N each file
+    # runs whole in one process (--dist loadfile), and a long file started last would
+    # leave the other processes idle until it ends.
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    first = {item.path: i for i, item in reversed(list(enumerate(items)))}
+    items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), first[item.path]))
     # Rounds, not each test N times in a row: a session fixture is shared, and each
     # round meets the others' leftovers as the suite would.
     items[:] = items * max(1, config.getoption("--repeat"))

@@ -215,6 +215,8 @@ def test_status_of_a_running_job(workdir, test_env):
                            and all(r["step"] >= 2 for r in d["ranks"]),
                            "the ranks train, a spare parks")
         assert doc["agent_pid"] == proc.pid and doc["world_size"] == 2
+        # Its store is served from the process template: the agent never imported torch.
+        assert "libtorch" not in Path(f"/proc/{proc.pid}/maps").read_text()
         assert [r["rank"] for r in doc["ranks"]] == [0, 1]
         assert all(r["stage"] == "training" and r["step_s"] > 0 for r in doc["ranks"]), doc
         assert doc["recoveries"] == [] and doc["log_dir"].startswith(str(workdir / "logs"))

@@ -8,14 +8,17 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import psutil
 import pytest
 
+from rendezvous.store_host import StoreHost
 from tp_launch.agent.worker_env import PER_WORKER_VARS
 from tp_launch.procs import template
 from tp_launch.procs.worker import WorkerProcess, spawn
@@ -104,6 +107,47 @@ def test_a_dead_template_takes_its_children_and_spares_start_anew(tmp_path):
     assert tmpl.fork([sys.executable, "-u", "x.py"], dict(os.environ), ()) is None
     assert not tmpl.alive
     tmpl.close()
+
+
+def _store_children(tmpl: template.ProcessTemplate) -> list[psutil.Process]:
+    return [p for p in psutil.Process(tmpl.proc.pid).children()
+            if p.cmdline()[:2] == ["tp-run", "store"]]
+
+
+def _set_and_get(port: int) -> bytes:
+    from torch.distributed import TCPStore
+
+    client = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    client.set("k", "v")
+    return client.get("k")
+
+
+def test_a_store_served_from_the_template_serves_until_stopped(tmpl):
+    """The agent's store served by a child of the template (the agent imports no torch):
+    clients use it; close() kills the child and frees the port."""
+    host = StoreHost("127.0.0.1", 0, tmpl)
+    assert _set_and_get(host.port) == b"v"
+    (child,) = _store_children(tmpl)
+    assert f"127.0.0.1:{host.port}" in " ".join(child.cmdline())
+    host.close()
+    assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+    StoreHost("127.0.0.1", host.port).close()  # the port is free again
+    host.close()  # twice is fine
+
+
+def test_a_store_asked_of_a_template_given_up_is_served_here(tmp_path):
+    """Asked while the template still imports, which is then given up before it forked
+    the store's child: the store is served by this process after all."""
+    tmpl = template.ProcessTemplate(sys.executable, dict(os.environ), PER_WORKER_VARS,
+                                    lambda a, env, fds: spawn(a, env, subprocess.DEVNULL,
+                                                              None, fds))
+    host = StoreHost("127.0.0.1", 0, tmpl)
+    tmpl.close()
+    assert _set_and_get(host.port) == b"v"
+    host.close()
+    # A template already gone is not asked.
+    with socket.socket() as sock:
+        assert tmpl.serve_store(sock, "127.0.0.1", 1, lambda: None) is None
 
 
 def test_worker_process_forks_a_spare_only_where_it_is_the_same_process(tmpl, tmp_path):

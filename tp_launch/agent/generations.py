@@ -43,7 +43,7 @@ from rendezvous import RendezvousError, RendezvousHandler, RendezvousInfo, bound
 from rendezvous.handler import MembershipRendezvous
 from rendezvous.kv import KVError, KVUnavailable
 from rendezvous.state import StateError
-from rendezvous.store_host import StoreHost
+from rendezvous.store_host import StoreHost, StoreServer
 from tp_launch import channel
 from tp_launch.agent.control import Generation
 
@@ -151,7 +151,9 @@ def open_generations(rdzv: RendezvousHandler, info: RendezvousInfo) -> Generatio
     """The generations of the world ``info`` formed: shared through the membership of a
     multi-node rendezvous, else this agent's own."""
     membership = shared_membership(rdzv)
-    return LocalGenerations(info) if membership is None else SharedGenerations(membership, info)
+    if membership is None:
+        return LocalGenerations(info)
+    return SharedGenerations(membership, info, rdzv.store_server)
 
 
 def shared_membership(rdzv: RendezvousHandler) -> Membership | None:
@@ -235,15 +237,17 @@ class SharedGenerations:
     Args:
         membership: this agent's member of the formed world.
         info: the formed world (its store serves the first generation).
+        server: where this agent's store is served (None: in the agent).
     """
 
-    def __init__(self, membership: Membership, info: RendezvousInfo) -> None:
+    def __init__(self, membership: Membership, info: RendezvousInfo,
+                 server: StoreServer | None = None) -> None:
         self._m = membership
         self.node = membership.id
         self._round_store = (info.master_addr, info.master_port)
         try:
             # The store of the generations this agent publishes, on the address it names.
-            self._host = StoreHost(membership.addr, 0)
+            self._host = StoreHost(membership.addr, 0, server)
         except OSError as e:
             raise RendezvousError(str(e)) from None
         self._finished_gen: int | None = None  # this node's exit-barrier mark, not yet written

@@ -131,6 +131,8 @@ class ResilientAgent(NodeAgent):
             self.health.start()
         try:
             self.processes.start_template()  # it imports while the rendezvous forms
+            # It serves this agent's stores as well: the agent never imports torch.
+            self.rdzv.host_stores_with(self.processes.template)
             return super().run(watch)
         finally:
             self.processes.close()

@@ -38,12 +38,23 @@ the agent only) and ignores the stop signals a scheduler sends to every process;
 dies with the agent (``PR_SET_PDEATHSIG``), and each forked child dies with the
 template: so nothing it forked outlives the agent.
 
+Stores: the agent's stores (:mod:`rendezvous.store_host`) are served by children forked
+from the template too (:meth:`ProcessTemplate.serve_store`), so the agent itself never
+imports torch (2.5-3 s of CPU per node per start, taken from the ranks starting beside
+it). The agent binds the listening socket (the port is known at once) and sends it; the
+template forks a child that serves it as a TCPStore and waits to be killed; clients that
+connect before (the template still importing) wait in the socket's backlog. A store
+child shares the ranks' fate: it dies with the template, as they do. If the template is
+given up before it forked the child, the agent serves the store itself.
+
 Protocol on a Unix socketpair, JSON lines. Template -> agent: ``{"ready": pid}`` once
-imported (or ``{"unusable": why}``), ``{"pid": p}`` answering each fork request, and
-``{"exit": p, "status": s}`` (a raw wait status) when a child ends. Agent -> template:
-``{"argv": [...], "env": {...}, "cwd": ..., "ignore": [signals]}`` with the child's
-stdout and stderr descriptors attached (SCM_RIGHTS). Nothing received is unpickled;
-both ends belong to the agent's user (a socketpair has no name to connect to).
+imported (or ``{"unusable": why}``), ``{"pid": p}`` answering each fork request,
+``{"store": p}`` each store request, and ``{"exit": p, "status": s}`` (a raw wait
+status) when a child ends. Agent -> template: ``{"argv": [...], "env": {...}, "cwd":
+..., "ignore": [signals]}`` with the child's stdout and stderr descriptors attached
+(SCM_RIGHTS), or ``{"store": [addr, port]}`` with the listening socket attached.
+Nothing received is unpickled; both ends belong to the agent's user (a socketpair has
+no name to connect to).
 """
 
 from __future__ import annotations
@@ -61,7 +72,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from typing import IO, Any
+from typing import IO, Any, NoReturn
+
+from rendezvous import store_host
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +144,38 @@ class ForkedChild:
         return self.returncode
 
 
+class _StoreChild:
+    """A store served by a child of the template; ``pid`` once the template forked it."""
+
+    def __init__(self, template: ProcessTemplate, fallback: Callable[[], None]) -> None:
+        self.template = template
+        self.fallback = fallback
+        self.pid: int | None = None
+
+    def stop(self) -> None:
+        """Kill the child and wait until it is gone (its port free)."""
+        t = self.template
+        if self.pid is None and t.alive:  # the template still importing
+            t.wait_for_news(_READY_WAIT_S, until=lambda: self.pid is not None)
+        if self.pid is None:
+            return  # never forked, or gone with the template
+        pid, self.pid = self.pid, None
+        if t.status_of(pid) is not None:
+            return  # already ended
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return
+        try:
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            select.select([pidfd], [], [], _ANSWER_WAIT_S)
+        except ProcessLookupError:
+            pass
+        finally:
+            os.close(pidfd)
+        t.status_of(pid)
+
+
 class ProcessTemplate:
     """The agent's end: starts the template, forks ranks and spares, collects exits.
 
@@ -152,6 +197,7 @@ class ProcessTemplate:
         self.ready = False
         self.statuses: dict[int, int] = {}
         self._pid_answers: list[int] = []
+        self._stores: list[_StoreChild] = []  # asked for, not yet answered
         self._buf = b""
         self.started = time.monotonic()
         self._sock, theirs = socket.socketpair()
@@ -225,6 +271,28 @@ class ProcessTemplate:
         pipes = ours if ours else [None, None]
         return ForkedChild(self, self._pid_answers.pop(0), pipes[0], pipes[1])
 
+    def serve_store(self, sock: socket.socket, addr: str, port: int,
+                    fallback: Callable[[], None]) -> Callable[[], None] | None:
+        """Serve a store from a child of the template (:class:`rendezvous.store_host.
+        StoreServer`); the template may still be importing: it forks the child once
+        ready. ``fallback`` is called if the template is given up first."""
+        if not self.alive:
+            return None
+        request = json.dumps({"store": [addr, port]}).encode() + b"\n"
+        try:
+            self._sock.setblocking(True)
+            try:
+                socket.send_fds(self._sock, [request], [sock.fileno()])
+            finally:
+                self._sock.setblocking(False)
+        except OSError as e:
+            logger.warning("process template unusable (%s); processes start anew", e)
+            self.close()
+            return None
+        child = _StoreChild(self, fallback)
+        self._stores.append(child)
+        return child.stop
+
     def status_of(self, pid: int) -> int | None:
         self.wait_for_news(0)
         return self.statuses.pop(pid, None)
@@ -265,21 +333,30 @@ class ProcessTemplate:
                 self.statuses[int(msg["exit"])] = int(msg["status"])
             elif "pid" in msg:
                 self._pid_answers.append(int(msg["pid"]))
+            elif "store" in msg:
+                self._stores.pop(0).pid = int(msg["store"])
             elif "ready" in msg:
                 self.ready = True
             elif "unusable" in msg:
                 self._gone(f"process template unusable: {msg['unusable']}")
-        except (ValueError, TypeError, KeyError):
+        except (ValueError, TypeError, KeyError, IndexError):
             self._gone("the process template said something malformed")
 
     def _gone(self, why: str) -> None:
         if self.alive:
             logger.info("%s; spares start as new processes", why)
+        self._given_up()
+
+    def _given_up(self) -> None:
         self.alive = False
+        stores, self._stores = self._stores, []
+        for child in stores:  # never forked: served by the agent after all
+            child.fallback()
 
     def close(self) -> None:
-        """Stop the template; every process it forked must be gone already."""
-        self.alive = False
+        """Stop the template; every process it forked must be gone already (but its
+        store children, which die with it)."""
+        self._given_up()
         with contextlib.suppress(OSError):
             self._sock.close()
         if self.proc.poll() is None:
@@ -296,6 +373,7 @@ def _serve(sock: socket.socket) -> dict[str, Any]:
     sel = selectors.DefaultSelector()
     sel.register(sock, selectors.EVENT_READ, None)
     children: dict[int, int] = {}  # pidfd -> pid
+    template_pid = os.getpid()
     buf = b""
     fds: list[int] = []
     while True:
@@ -315,27 +393,33 @@ def _serve(sock: socket.socket) -> dict[str, Any]:
             fds += got
             if len(buf) > _MAX_LINE:
                 os._exit(1)
-            while b"\n" in buf and len(fds) >= 2:
-                line, buf = buf.split(b"\n", 1)
-                out, err, fds = fds[0], fds[1], fds[2:]
+            while b"\n" in buf:
+                line, rest = buf.split(b"\n", 1)
                 request = json.loads(line)
+                store = "store" in request
+                n = 1 if store else 2  # the descriptors the request came with
+                if len(fds) < n:
+                    break
+                buf, mine, fds = rest, fds[:n], fds[n:]
                 pid = os.fork()
                 if pid == 0:
-                    for fd in children:
+                    for fd in (*children, *fds):
                         os.close(fd)
                     sel.close()
                     sock.close()
-                    os.dup2(out, 1)
-                    os.dup2(err, 2)
-                    for fd in (out, err, *fds):
+                    if store:
+                        _serve_store(request["store"], mine[0], template_pid)
+                    os.dup2(mine[0], 1)
+                    os.dup2(mine[1], 2)
+                    for fd in mine:
                         os.close(fd)
                     return request
-                os.close(out)
-                os.close(err)
+                for fd in mine:
+                    os.close(fd)
                 pidfd = os.pidfd_open(pid)
                 children[pidfd] = pid
                 sel.register(pidfd, selectors.EVENT_READ, pid)
-                _say(sock, {"pid": pid})
+                _say(sock, {"store" if store else "pid": pid})
 
 
 def _say(sock: socket.socket, msg: dict[str, Any]) -> None:
@@ -345,13 +429,34 @@ def _say(sock: socket.socket, msg: dict[str, Any]) -> None:
         os._exit(0)
 
 
-def _become(request: dict[str, Any], template_pid: int) -> str:
-    """In the forked child: become the spare ``python -u script ...`` would have been."""
-    os.setsid()
+def _die_with(template_pid: int) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: die with the template
     if os.getppid() != template_pid:
         os._exit(1)
+
+
+def _serve_store(where: list[Any], fd: int, template_pid: int) -> NoReturn:
+    """In the forked child: serve the listening socket ``fd`` as a store until killed
+    (the stop signals a scheduler sends every process stay ignored: the agent stops it
+    when the job is done with it)."""
+    _die_with(template_pid)
+    addr, port = str(where[0]), int(where[1])
+    _show_command_line(["tp-run", "store", f"{addr}:{port}"])
+    try:
+        store = store_host.serve(addr, port, fd)
+    except BaseException as e:  # its clients time out, each with its own error
+        print(f"tp-run: the store on {addr}:{port} did not start: {e}", file=sys.stderr)
+        os._exit(1)
+    while store is not None:
+        signal.pause()
+    os._exit(0)
+
+
+def _become(request: dict[str, Any], template_pid: int) -> str:
+    """In the forked child: become the spare ``python -u script ...`` would have been."""
+    os.setsid()
+    _die_with(template_pid)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for sig in _IGNORED[1:]:
         signal.signal(sig, signal.SIG_DFL)
