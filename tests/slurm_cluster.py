@@ -15,7 +15,9 @@ Spec:
   own), as on a real cluster: srun tells slurmctld its hostname for the node-failure
   messages it must get, and with every host named like the machine those went to the
   wrong host (srun then waited for a dead node's task forever).
-- munged's socket and each node's temp dir are under ``/tmp/tp-slurm-XXXX``.
+- munged's socket, each slurmd's spool directory (slurmstepd's sockets are there) and
+  each node's temp dir are under ``/tmp/tp-slurm-XXXX``: a Unix socket's path must fit
+  in 108 bytes, which a pytest temp path (``popen-gw0/`` under xdist) need not.
 - The configuration is ``workdir/slurm/slurm.conf`` (``AuthInfo=socket=`` points at the
   cluster's munged); ``.env`` is the environment for every Slurm command
   (``SLURM_CONF``); ``.cmd(argv)`` runs one on the controller host (``sbatch``,
@@ -153,7 +155,7 @@ class SlurmCluster:
         prolog.write_text(_TASK_PROLOG.format(tmp=self.short))
         prolog.chmod(0o755)
         for host in self.nodes:
-            (d / f"spool-{host.name}").mkdir(exist_ok=True)
+            (self.short / f"spool-{host.name}").mkdir(exist_ok=True)
             (self.short / host.name).mkdir(mode=0o700)
             self._spawn(f"slurmd {host.name}", [
                 "ip", "netns", "exec", host.netns, "unshare", "--uts", "sh", "-c",
@@ -174,7 +176,7 @@ class SlurmCluster:
             "AuthType=auth/munge", "CredType=cred/munge",
             f"AuthInfo=socket={self.munge_socket}",
             f"StateSaveLocation={d / 'state'}",
-            f"SlurmdSpoolDir={d}/spool-%n",
+            f"SlurmdSpoolDir={self.short}/spool-%n",
             f"SlurmctldPidFile={d}/slurmctld.pid",
             f"SlurmdPidFile={d}/slurmd-%n.pid",
             f"SlurmctldLogFile={d}/log/slurmctld.log",
