@@ -76,8 +76,11 @@ def create_handler(config: RendezvousParams) -> RendezvousHandler:
     if factory is None:  # (also on one node, where the backend is not used: a typo)
         raise RendezvousError(unknown_backend(config.rdzv_backend))
     if config.max_nodes == 1:
-        # Single node: the embedded default, on the endpoint's port (0: a free one).
-        host, port = split_endpoint(config.rdzv_endpoint or "localhost:0", 29400)
+        # Single node: the embedded default. c10d's endpoint names the store (this
+        # machine hosts it there, as torchrun does); etcd's names etcd, whose address is
+        # not this machine's: the store is then this machine's own, on a free port.
+        endpoint = config.rdzv_endpoint if config.rdzv_backend == "c10d" else ""
+        host, port = split_endpoint(endpoint or "localhost:0", 29400)
         return StaticRendezvous(config.run_id, 1, 0, host, port)
     return factory(config)
 

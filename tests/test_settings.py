@@ -94,23 +94,39 @@ def test_resilient_lease_defaults(conf, ttl, interval):
     assert (t.lease_ttl, t.keep_alive_interval) == (ttl, interval)
 
 
-def _cli_rdzv_conf(*args: str) -> dict[str, str]:
+def _cli_config(*args: str, nnodes: str = "2", backend: str = "etcd") -> LaunchConfig:
     import os
 
     from tp_launch.cli import config_from_options, tp_run
 
-    ctx = tp_run.make_context("tp-run", [*args, "--rdzv-backend", "etcd", "--rdzv-endpoint",
-                                         "198.18.0.1:2379", "--nnodes", "2",
+    ctx = tp_run.make_context("tp-run", [*args, "--rdzv-backend", backend, "--rdzv-endpoint",
+                                         "198.18.0.1:2379", "--nnodes", nnodes,
                                          str(Path(__file__).parent.parent / "examples/train_ddp.py")])
     old = dict(os.environ)
     for key in [k for k in os.environ if k.startswith(("SLURM_", "PET_"))]:
         del os.environ[key]
     try:
         with ctx:
-            return config_from_options(ctx.params).rdzv_configs
+            return config_from_options(ctx.params)
     finally:
         os.environ.clear()
         os.environ.update(old)
+
+
+def _cli_rdzv_conf(*args: str) -> dict[str, str]:
+    return _cli_config(*args).rdzv_configs
+
+
+@pytest.mark.parametrize("backend,store", [("etcd", ("localhost", 0)),
+                                           ("c10d", ("198.18.0.1", 2379))])
+def test_a_single_node_hosts_its_store_where_its_workers_reach_it(backend, store):
+    """--nnodes 1 with a backend: the embedded default. etcd's endpoint is etcd's, not
+    where this machine can host the store (it would fail to bind there); c10d's endpoint
+    is the store's own, as under torchrun."""
+    from rendezvous import create_handler
+
+    handler = create_handler(_cli_config("--spares", "1", nnodes="1", backend=backend))
+    assert (handler._master_addr, handler._master_port) == store
 
 
 def test_the_cli_gives_resilient_mode_the_short_lease():
