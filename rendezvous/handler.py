@@ -66,7 +66,8 @@ class MembershipRendezvous(RendezvousHandler):
         try:
             if world.node_rank == 0:
                 try:
-                    self._host = StoreHost(m.addr, 0, self.store_server)  # the address told
+                    # On the address the other nodes are told.
+                    self._host = StoreHost(m.addr, 0, self.store_server)
                 except OSError as e:
                     raise RendezvousError(str(e)) from None
                 port = self._host.port

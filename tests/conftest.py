@@ -225,9 +225,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # The longest files first (their order kept inside each file): under -n N each file
     # runs whole in one process (--dist loadfile), and a long file started last would
     # leave the other processes idle until it ends.
+    # (A stable sort: the files not listed keep their collection order, after these.)
     rank = {name: i for i, name in enumerate(LONGEST_FILES)}
-    first = {item.path: i for i, item in reversed(list(enumerate(items)))}
-    items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), first[item.path]))
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
     # Rounds, not each test N times in a row: a session fixture is shared, and each
     # round meets the others' leftovers as the suite would.
     items[:] = items * max(1, config.getoption("--repeat"))

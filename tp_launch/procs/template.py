@@ -247,13 +247,8 @@ class ProcessTemplate:
                 else:
                     f = files[i]
                     ends.append(os.dup(f.fileno() if f is not None else 1 + i))
-            request = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd(),
-                                  "ignore": list(ignore)}).encode() + b"\n"
-            self._sock.setblocking(True)
-            try:
-                socket.send_fds(self._sock, [request], ends)
-            finally:
-                self._sock.setblocking(False)
+            self._send({"argv": argv, "env": env, "cwd": os.getcwd(),
+                        "ignore": list(ignore)}, ends)
             self.wait_for_news(_ANSWER_WAIT_S, until=lambda: bool(self._pid_answers))
         except OSError as e:
             logger.warning("process template unusable (%s); processes start anew", e)
@@ -278,13 +273,8 @@ class ProcessTemplate:
         ready. ``fallback`` is called if the template is given up first."""
         if not self.alive:
             return None
-        request = json.dumps({"store": [addr, port]}).encode() + b"\n"
         try:
-            self._sock.setblocking(True)
-            try:
-                socket.send_fds(self._sock, [request], [sock.fileno()])
-            finally:
-                self._sock.setblocking(False)
+            self._send({"store": [addr, port]}, [sock.fileno()])
         except OSError as e:
             logger.warning("process template unusable (%s); processes start anew", e)
             self.close()
@@ -292,6 +282,14 @@ class ProcessTemplate:
         child = _StoreChild(self, fallback)
         self._stores.append(child)
         return child.stop
+
+    def _send(self, request: dict[str, Any], fds: list[int]) -> None:
+        """One request line, ``fds`` attached (SCM_RIGHTS); raises OSError."""
+        self._sock.setblocking(True)
+        try:
+            socket.send_fds(self._sock, [json.dumps(request).encode() + b"\n"], fds)
+        finally:
+            self._sock.setblocking(False)
 
     def status_of(self, pid: int) -> int | None:
         self.wait_for_news(0)
@@ -448,9 +446,8 @@ def _serve_store(where: list[Any], fd: int, template_pid: int) -> NoReturn:
     except BaseException as e:  # its clients time out, each with its own error
         print(f"tp-run: the store on {addr}:{port} did not start: {e}", file=sys.stderr)
         os._exit(1)
-    while store is not None:
+    while True:  # ``store`` stays referenced: dropping it would stop the server
         signal.pause()
-    os._exit(0)
 
 
 def _become(request: dict[str, Any], template_pid: int) -> str:
