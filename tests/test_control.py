@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tp_launch.agent.control import CrashLoop, Placed, SpareRestarts, failures_served
+from tp_launch.agent.recovery_report import FailedRank
 
 pytestmark = pytest.mark.unit
 
@@ -34,15 +35,15 @@ def test_another_nodes_generation_reports_this_nodes_dead_ranks_it_serves():
     """An outage: node 0 replaced its ranks 0 and 1 and took node 1's parked spare for
     one of them, not knowing that node 1's rank 2 had died too. On node 1 the generation
     still stands for rank 2's failure: rank 2 waits for the next spare to park."""
-    dead_here = {2: {"rank": 2, "pid": 22, "exitcode": -9}}
+    dead_here = {2: FailedRank(2, slot=0, pid=22, exitcode=-9, step=5)}
     served = failures_served([1, 0], dead_here, Placed(released={2: 0}, unplaced=[2]))
-    assert served == [{"rank": 0}, {"rank": 1}, dead_here[2]]
+    assert served == [FailedRank(0), FailedRank(1), dead_here[2]]
     # A dead rank given a spare at once counts the same; one the generation replaced
     # is counted once, with this node's record of it.
     served = failures_served([2], dead_here, Placed(promoted={2: 3}, released={2: 0}))
     assert served == [dead_here[2]]
     # A live rank the generation leaves alone is no failure.
-    assert failures_served([0], {}, Placed(promoted={}, released={})) == [{"rank": 0}]
+    assert failures_served([0], {}, Placed(promoted={}, released={})) == [FailedRank(0)]
 
 
 def test_an_error_exit_again_at_the_same_step_is_a_crash_loop():

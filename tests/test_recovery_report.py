@@ -8,7 +8,7 @@ import json
 import pytest
 
 from tp_launch import channel
-from tp_launch.agent.recovery_report import Recovery, recovery_report
+from tp_launch.agent.recovery_report import FailedRank, Promotion, Recovery, recovery_report
 
 pytestmark = pytest.mark.unit
 
@@ -22,8 +22,8 @@ def _resumed(rank: int, t: float, **timings: float) -> channel.Resumed:
 
 def _recovery() -> Recovery:
     rec = Recovery(gen=1, reason="failure", detected=100.0, decided=100.05,
-                   failed=[{"rank": 1, "slot": 1, "pid": 11, "exitcode": -9, "step": 40}],
-                   promoted=[{"rank": 1, "slot": 2, "pid": 12}])
+                   failed=[FailedRank(1, slot=1, pid=11, exitcode=-9, step=40)],
+                   promoted=[Promotion(1, slot=2, pid=12)])
     rec.resumed = {0: _resumed(0, t=100.5), 1: _resumed(1, t=100.6, transfer_s=0.25)}
     rec.stepped = {0: 100.9, 1: 101.0}
     return rec
@@ -34,6 +34,8 @@ def test_a_complete_recovery():
     assert json.loads(json.dumps(event)) == event  # one JSON line
     assert event["event"] == "recovery" and event["generation"] == 1
     assert event["failed_ranks"] == [1] and event["step"] == 40
+    assert event["failed"] == [{"rank": 1, "slot": 1, "pid": 11, "exitcode": -9, "step": 40}]
+    assert event["promoted"] == [{"rank": 1, "slot": 2, "pid": 12}]
     assert event["decide_s"] == 100.05 - 100.0
     assert event["transfer_s"] == 0.25 and event["bytes"] == 100_000_000
     assert event["resumed_s"] == 100.6 - 100.0
@@ -47,8 +49,9 @@ def test_a_complete_recovery():
 
 def test_what_no_rank_reported_is_null_and_a_question_mark():
     rec = Recovery(gen=3, reason="node loss", detected=5.0, decided=5.5,
-                   failed=[{"rank": 2, "node": "n1"}])
+                   failed=[FailedRank(2, node="n1")])
     event, line = recovery_report(rec, ranks_here=1)
+    assert event["failed"] == [{"rank": 2, "node": "n1"}]  # what this node knows of it
     assert event["step"] is None and event["resumed_s"] is None
     assert event["rebuild_s"] is None and event["total_s"] is None
     assert event["handoff_s"] == 0.0 and event["bytes"] == 0 and not event["complete"]

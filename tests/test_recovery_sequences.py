@@ -175,7 +175,7 @@ def test_two_failures_in_one_tick_are_one_generation():
     n.park(), n.park()
     n.kill(0, 2)
     assert n.at.gen.gen == 1 and n.at.gen.replaced == [0, 2]
-    assert [f["rank"] for f in n.at.recovery.failed] == [0, 2]
+    assert [f.rank for f in n.at.recovery.failed] == [0, 2]
 
 
 def test_a_promoted_spare_that_dies_before_resuming_gets_the_next_one():
@@ -188,8 +188,8 @@ def test_a_promoted_spare_that_dies_before_resuming_gets_the_next_one():
     n.rec.recover({1: n.at.world.node}, 101.0)
     assert n.at.gen.gen == 2 and n.at.world.slot_of[1] == second
     assert n.at.recovery.detected == 100.0
-    assert [f["rank"] for f in n.at.recovery.failed] == [1]  # one failure, not two
-    assert [p["slot"] for p in n.at.recovery.promoted] == [second]
+    assert [f.rank for f in n.at.recovery.failed] == [1]  # one failure, not two
+    assert [p.slot for p in n.at.recovery.promoted] == [second]
     assert n.logged == []  # the first report was folded into this one
 
 
@@ -305,7 +305,7 @@ def test_a_rank_dead_but_unseen_when_a_generation_is_applied_keeps_its_slot():
     n.kill(0)
     assert n.at.gen.replaced == [0]
     assert n.at.world.slot_of == {0: spare, 1: 1, 2: 2} and not n.at.unplaced
-    assert [f["rank"] for f in n.at.recovery.failed] == [0]
+    assert [f.rank for f in n.at.recovery.failed] == [0]
     with pytest.raises(StopJob) as stop:
         n.rec.recover({1: n.at.world.node}, 101.0)  # rank 1's exit, judged
     assert stop.value.final
@@ -323,7 +323,7 @@ def test_a_rank_dead_but_unseen_then_seen_is_recovered_as_its_own_failure():
     second = n.park()
     assert n.at.gen.gen == 2 and n.at.gen.replaced == [1]
     assert n.at.world.slot_of == {0: spare, 1: second, 2: 2}
-    assert [f["rank"] for f in n.at.recovery.failed] == [0, 1]
+    assert [f.rank for f in n.at.recovery.failed] == [0, 1]
     assert n.at.recovery.detected == 100.0
 
 
@@ -339,7 +339,7 @@ def test_a_dead_rank_an_outage_kept_out_of_the_generation_takes_a_spare_here():
     other = Generation(g.gen + 1, dict(g.ranks), g.store, [], "failure")
     n.rec.apply(other, 100.0)
     assert n.at.world.slot_of == {0: 0, 1: spare, 2: 2}
-    assert [f["rank"] for f in n.at.recovery.failed] == [1]
+    assert [f.rank for f in n.at.recovery.failed] == [1]
 
 
 def test_the_wait_for_a_spare_that_runs_out_says_so(capsys):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import selectors
 from dataclasses import dataclass, field
-from typing import Any
 
 from rendezvous import RendezvousInfo
 from tp_launch import channel, progress
@@ -23,7 +22,7 @@ from tp_launch.agent.control_server import Conn, ControlServer
 from tp_launch.agent.failures import ProcessFailure
 from tp_launch.agent.generations import Generations
 from tp_launch.agent.hangs import OutputClock, ProgressClock, Stragglers
-from tp_launch.agent.recovery_report import Recovery
+from tp_launch.agent.recovery_report import FailedRank, Recovery
 from tp_launch.control_files import AgentStatus
 from tp_launch.procs.logs import AttemptLogs, ConsoleTail, RankLogs, SpareOutput
 from tp_launch.procs.worker import WorkerProcess
@@ -141,15 +140,12 @@ class Attempt:
         ranks = {p.slot: self.slot_rank(p.slot) for p in self.procs.values()}
         return {slot: -1 if rank is None else rank for slot, rank in ranks.items()}
 
-    def failed_record(self, rank: int) -> dict[str, Any]:
+    def failed_record(self, rank: int) -> FailedRank:
         """This node's record of ``rank``'s dead process, for the recovery report."""
         slot = self.world.slot_of[rank]
         old = self.procs[slot].worker
-        record: dict[str, Any] = {"rank": rank, "slot": slot, "pid": old.pid,
-                                  "exitcode": old.returncode, "step": self.board.read(slot)}
-        if rank in self.hung:
-            record["hang"] = self.hung[rank]
-        return record
+        return FailedRank(rank, slot=slot, pid=old.pid, exitcode=old.returncode,
+                          step=self.board.read(slot), hang=self.hung.get(rank))
 
     def status(self, run_id: str) -> AgentStatus:
         """The status file's contents (for ``tp-run migrate``, ``parked_spares()``)."""

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from rendezvous.state import StateError
+from tp_launch.agent.recovery_report import FailedRank
 
 
 @dataclass
@@ -159,17 +160,17 @@ class Placed:
     unplaced: list[int] = field(default_factory=list)       # no spare parked for it yet
 
 
-def failures_served(replaced: list[int], dead_here: dict[int, dict[str, Any]],
-                    placed: Placed) -> list[dict[str, Any]]:
+def failures_served(replaced: list[int], dead_here: dict[int, FailedRank],
+                    placed: Placed) -> list[FailedRank]:
     """The failures a generation decided by another node stands for on this node, by
     rank: the ranks it replaced (this node's record of each where it has one), and this
     node's dead ranks that it gives a home although the deciding node did not know of
     them (an outage): a spare at once, or the next spare to park (the deciding node
     may have taken this node's parked spare for one of its own ranks)."""
-    served = [dead_here.get(r, {"rank": r}) for r in replaced]
+    served = [dead_here.get(r, FailedRank(r)) for r in replaced]
     served += [dead_here[r] for r in (*placed.promoted, *placed.unplaced)
                if r in dead_here and r not in replaced]
-    return sorted(served, key=lambda f: f["rank"])
+    return sorted(served, key=lambda f: f.rank)
 
 
 @dataclass

@@ -43,7 +43,7 @@ import os
 import signal
 import sys
 import time
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from rendezvous import RendezvousError
 from rendezvous.kv import KVError, KVUnavailable
@@ -68,7 +68,7 @@ from tp_launch.agent.decisions import (
 from tp_launch.agent.generations import View
 from tp_launch.agent.node_agent import AttemptResult
 from tp_launch.agent.processes import Processes
-from tp_launch.agent.recovery_report import Recovery, recovery_report
+from tp_launch.agent.recovery_report import FailedRank, Promotion, Recovery, recovery_report
 from tp_launch.config import LaunchConfig
 from tp_launch.procs.logs import LogLayout
 from tp_launch.procs.worker import stop_workers
@@ -127,7 +127,7 @@ class Recoverer:
                                  len(at.world.parked), at.gens.store,
                                  lambda moving: self._place(moving, view))
             if isinstance(plan, Publish):
-                failed = [at.failed_record(r) if r in plan.local else {"rank": r, "node": n}
+                failed = [at.failed_record(r) if r in plan.local else FailedRank(r, node=n)
                           for r, n in sorted(lost.items())]
                 published = at.gens.publish(plan.generation)
         except KVUnavailable as e:
@@ -183,7 +183,7 @@ class Recoverer:
         raise StopJob(self.failure_result(final=policy == "fail"), final=policy == "fail")
 
     def apply(self, g: Generation, detected: float,
-              failed: list[dict[str, Any]] | None = None,
+              failed: list[FailedRank] | None = None,
               alive_nodes: set[str] | None = None) -> None:
         """Take generation ``g`` on this node and announce it to this node's ranks.
         ``alive_nodes``: the live nodes, if the caller just read them (None: all)."""
@@ -243,15 +243,15 @@ class Recoverer:
             failed = failures_served(g.replaced, dead_here, placed)
         if superseded is not None:
             detected = min(detected, superseded.detected)
-            known = {x["rank"] for x in superseded.failed}
-            failed = superseded.failed + [f for f in failed if f["rank"] not in known]
+            known = {x.rank for x in superseded.failed}
+            failed = superseded.failed + [f for f in failed if f.rank not in known]
         rec = Recovery(g.gen, g.reason, detected, decided=time.time(), failed=failed)
-        rec.promoted = [{"rank": r, "slot": s, "pid": at.procs[s].worker.pid}
+        rec.promoted = [Promotion(r, s, at.procs[s].worker.pid)
                         for r, s in sorted(placed.promoted.items())]
         if superseded is not None:  # the first newcomers that still hold their rank
             rec.promoted = sorted([p for p in superseded.promoted
-                                   if world.slot_of.get(p["rank"]) == p["slot"]] + rec.promoted,
-                                  key=lambda p: p["rank"])
+                                   if world.slot_of.get(p.rank) == p.slot] + rec.promoted,
+                                  key=lambda p: p.rank)
         for rank, slot in placed.promoted.items():
             self.processes.show_as_rank(at, slot, rank)
             at.hung.pop(rank, None)
@@ -283,8 +283,8 @@ class Recoverer:
             rank = at.unplaced.pop(0)
             self.processes.show_as_rank(at, slot, rank)
             if at.recovery is not None:
-                at.recovery.promoted.append({"rank": rank, "slot": slot,
-                                             "pid": at.procs[slot].worker.pid})
+                at.recovery.promoted.append(Promotion(rank, slot,
+                                                      at.procs[slot].worker.pid))
             at.tell(slot, at.generation_msg(rank, from_slot=at.origin.get(rank)))
 
     def migrate(self, rank: int, evidence: str = "") -> str:
@@ -302,7 +302,7 @@ class Recoverer:
                 return "error: the job's generation changed meanwhile; try again"
         except KVError as e:
             return f"error: the rendezvous backend cannot publish the migration: {e}"
-        self.apply(new, time.time(), [{"rank": rank, "slot": world.slot_of[rank], "pid": old}])
+        self.apply(new, time.time(), [FailedRank(rank, slot=world.slot_of[rank], pid=old)])
         if at.recovery is not None:
             at.recovery.evidence = evidence
         pid = at.procs[world.slot_of[rank]].worker.pid
@@ -355,7 +355,7 @@ class Recoverer:
             where = "on another node" if others else \
                 f"on this node ({len(world.parked)} parked)"
             return "impossible", f"error: no spare parked {where} for rank(s) {mine}"
-        records = [{"rank": r, "slot": s, "pid": at.procs[s].worker.pid}
+        records = [FailedRank(r, slot=s, pid=at.procs[s].worker.pid)
                    for r, s in sorted(world.slot_of.items())]
         boundary = max(at.board.read(s) for s in world.slot_of.values()) + _MIGRATION_MARGIN
         new = Generation(g.gen + 1, ranks, at.gens.store, mine, "migration", boundary)

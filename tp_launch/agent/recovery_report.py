@@ -19,10 +19,42 @@ null. The console line says the same in milliseconds (``?``: not reported).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
 from tp_launch import channel
+
+
+@dataclass(frozen=True)
+class FailedRank:
+    """A rank that lost its process (or left it: a migration), as this node knows it: on
+    the node that ran it ``slot``, ``pid``, and for a death ``exitcode``, its last
+    committed ``step`` and, if it was killed as hung, why (``hang``); elsewhere only the
+    ``node`` it was on, if known."""
+
+    rank: int
+    node: str | None = None
+    slot: int | None = None
+    pid: int | None = None
+    exitcode: int | None = None
+    step: int | None = None
+    hang: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``failed`` entry of the event: what this node does not know is left out."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class Promotion:
+    """A spare that took ``rank``: its ``slot`` on this node and its ``pid``."""
+
+    rank: int
+    slot: int
+    pid: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "slot": self.slot, "pid": self.pid}
 
 
 @dataclass
@@ -33,8 +65,8 @@ class Recovery:
     reason: str
     detected: float
     decided: float = 0.0
-    failed: list[dict[str, Any]] = field(default_factory=list)
-    promoted: list[dict[str, Any]] = field(default_factory=list)
+    failed: list[FailedRank] = field(default_factory=list)
+    promoted: list[Promotion] = field(default_factory=list)
     resumed: dict[int, channel.Resumed] = field(default_factory=dict)
     stepped: dict[int, float] = field(default_factory=dict)  # rank -> its first step's time
     evidence: str = ""  # why a migration was decided by the agent (a straggler)
@@ -58,10 +90,11 @@ def recovery_report(rec: Recovery, ranks_here: int) -> tuple[dict[str, Any], str
     resumed_s = None if resumed_at is None else resumed_at - rec.detected
     first_step_s = None if first_step is None or resumed_at is None \
         else first_step - resumed_at
-    failed_ranks = [f["rank"] for f in rec.failed]
+    failed_ranks = [f.rank for f in rec.failed]
     event = {
         "event": "recovery", "reason": rec.reason, "generation": rec.gen,
-        "failed": rec.failed, "promoted": rec.promoted,
+        "failed": [f.to_json() for f in rec.failed],
+        "promoted": [p.to_json() for p in rec.promoted],
         "failed_ranks": failed_ranks,
         "step": step,
         "detected_at": rec.detected,
@@ -83,7 +116,7 @@ def recovery_report(rec: Recovery, ranks_here: int) -> tuple[dict[str, Any], str
         event["evidence"] = rec.evidence
     rate = sent / transfer_s / 1e6 if transfer_s else 0.0
     line = (f"tp-run: {rec.reason}: rank(s) {failed_ranks} -> spare pid(s) "
-            f"{[p['pid'] for p in rec.promoted]} at step {step}; resumed in "
+            f"{[p.pid for p in rec.promoted]} at step {step}; resumed in "
             f"{_ms(resumed_s)} (decide {_ms(decide_s)}, group {_ms(rebuild_s)}, state "
             f"{sent / 1e6:.1f} MB in {_ms(transfer_s)} = {rate:.0f} MB/s), first step "
             f"{_ms(first_step_s)}")

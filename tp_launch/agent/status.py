@@ -95,8 +95,8 @@ def recovery_status(event: Any) -> channel.RecoveryStatus | None:
 def _in_progress(rec: Recovery) -> channel.RecoveryStatus:
     return channel.RecoveryStatus(
         gen=rec.gen, reason=rec.reason[:80],
-        failed_ranks=_ints([f.get("rank") for f in rec.failed]),
-        promoted_pids=_ints([p.get("pid") for p in rec.promoted]),
+        failed_ranks=_ints([f.rank for f in rec.failed]),
+        promoted_pids=_ints([p.pid for p in rec.promoted]),
         step=None, detected_at=_number(rec.detected), total_s=None)
 
 

@@ -55,6 +55,11 @@ status) when a child ends. Agent -> template: ``{"argv": [...], "env": {...}, "c
 (SCM_RIGHTS), or ``{"store": [addr, port]}`` with the listening socket attached.
 Nothing received is unpickled; both ends belong to the agent's user (a socketpair has
 no name to connect to).
+
+One module of this size (over 500 lines) on purpose: it is both ends of that protocol,
+the agent's (:class:`ProcessTemplate` and the handles it gives out) and the template
+process's (:func:`main` and what a forked child does before it runs the script), so
+that a message and its answer are changed in one place.
 """
 
 from __future__ import annotations
