@@ -10,9 +10,11 @@ trains to step 8 and holds; then the world's last host (never the decider's) is
 - **kill**ed: every process in it SIGKILLed (its sockets close, its lease stays), or
 - **vanish**es: its link goes down (nothing closes; its processes run on, cut off),
 
-and the job is released. Each case runs with tp-run's defaults (resilient mode's 3 s
-lease) and, interleaved, with ``--rdzv-conf lease_ttl=30`` (the lease-TTL path as it
-was). Columns: from the failure to training resumed (the first step committed after
+and the job is released. Each case runs, interleaved, with tp-run's defaults (the
+agents' links, :mod:`tp_launch.agent.links`, and resilient mode's 3 s lease), without
+the links (``TP_RUN_AGENT_LINKS=0``: the lease alone), and with neither
+(``TP_RUN_AGENT_LINKS=0 --rdzv-conf lease_ttl=30``: the lease-TTL path as it was before
+issue 23). Columns: from the failure to training resumed (the first step committed after
 it), split with the spare node's ``recovery.jsonl``: detect (failure -> the decider saw
 the lease gone), decide, group (new group formed), transfer (agreement + state to the
 newcomers), first step. Medians over ``--reps``.
@@ -62,7 +64,7 @@ def wait(cond, what: str, timeout: float = TIMEOUT) -> None:
 
 class Job:
     def __init__(self, cluster: Cluster, etcd: EtcdServer, world: int, conf: str,
-                 script_args: list[str], steps: int = STEPS) -> None:
+                 script_args: list[str], steps: int = STEPS, links: bool = True) -> None:
         self.steps = steps
         self.dir = Path(tempfile.mkdtemp(prefix="tp-node-loss-"))
         shutil.copytree(REPO / "tests" / "scripts", self.dir / "scripts")
@@ -70,6 +72,7 @@ class Job:
         self.out.mkdir()
         self.env = dict(os.environ, OUT=str(self.out), OMP_NUM_THREADS="1")
         self.env["PYTHONPATH"] = str(REPO) + os.pathsep + self.env.get("PYTHONPATH", "")
+        self.env["TP_RUN_AGENT_LINKS"] = "1" if links else "0"
         self.cluster, self.etcd, self.world = cluster, etcd, world
         self.conf, self.script_args = conf, script_args
         self.run_id = f"bench-{uuid.uuid4().hex[:8]}"
@@ -118,10 +121,16 @@ class Job:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def one_loss(cluster: Cluster, etcd: EtcdServer, world: int, how: str, conf: str
-             ) -> dict[str, float]:
+# name -> (--rdzv-conf, agent links)
+VARIANTS = {"default (links, 3 s lease)": ("", True),
+            "3 s lease, no links": ("", False),
+            "30 s lease, no links": ("lease_ttl=30", False)}
+
+
+def one_loss(cluster: Cluster, etcd: EtcdServer, world: int, how: str, conf: str,
+             links: bool) -> dict[str, float]:
     """One job: the world's last host killed or cut off; the phases in seconds."""
-    job = Job(cluster, etcd, world, conf, ["--hold-at", "8"])
+    job = Job(cluster, etcd, world, conf, ["--hold-at", "8"], links=links)
     try:
         for i in range(1, world + 1):
             job.start(i)
@@ -166,7 +175,7 @@ def false_alarms(cluster: Cluster, etcd: EtcdServer, seconds: float) -> int:
                 for _ in range(os.cpu_count() or 2)]
         job.finish()
         return a.count("tp-run: node loss") + b.count("tp-run: node loss") + \
-            a.count("lost (lease expired)") + b.count("lost (lease expired)")
+            a.count(" lost (") + b.count(" lost (")
     finally:
         for hog in hogs:
             hog.kill()
@@ -189,35 +198,35 @@ def main() -> None:
         sys.exit(f"node_loss.py: {why}")
     worlds = [int(x) for x in args.hosts.split(",")]
     load0 = os.getloadavg()
-    rows: list[tuple[str, dict[str, float], dict[str, float]]] = []
+    rows: list[tuple[str, dict[str, dict[str, float]]]] = []
     alarms = 0
     with Cluster(max(worlds) + 2, "bench") as cluster, \
             EtcdServer(Path(tempfile.mkdtemp(prefix="tp-node-loss-etcd-")),
                        host=cluster.hosts[0]) as etcd:
         for world in worlds:
             for how in ("kill", "vanish"):
-                short: list[dict[str, float]] = []
-                long: list[dict[str, float]] = []
-                for _ in range(args.reps):  # interleaved: the same load for both
-                    short.append(one_loss(cluster, etcd, world, how, ""))
-                    long.append(one_loss(cluster, etcd, world, how, "lease_ttl=30"))
-                med = {k: statistics.median(x[k] for x in short) for k in short[0]}
-                med_long = {k: statistics.median(x[k] for x in long) for k in long[0]}
-                rows.append((f"{world} hosts, {how}", med, med_long))
-                print(f"{world} hosts, {how}: default {med['total']:.2f} s, "
-                      f"lease_ttl=30 {med_long['total']:.2f} s", file=sys.stderr)
+                runs: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
+                for _ in range(args.reps):  # interleaved: the same load for each
+                    for variant, (conf, links) in VARIANTS.items():
+                        runs[variant].append(one_loss(cluster, etcd, world, how, conf,
+                                                      links))
+                med = {v: {k: statistics.median(x[k] for x in r) for k in r[0]}
+                       for v, r in runs.items()}
+                rows.append((f"{world} hosts, {how}", med))
+                print(f"{world} hosts, {how}: " + ", ".join(
+                    f"{v} {m['total']:.2f} s" for v, m in med.items()), file=sys.stderr)
         alarms = false_alarms(cluster, etcd, args.hog_s)
     load1 = os.getloadavg()
     print(f"load average {load0[0]:.1f} -> {load1[0]:.1f}; medians of {args.reps} run(s), "
           "seconds\n")
     phases = ["detect", "decide", "group", "transfer", "first step", "total"]
-    print("| case | lease | " + " | ".join(phases) + " |")
-    print("|---|---|" + "---|" * len(phases))
-    for name, med, med_long in rows:
-        print(f"| {name} | 3 s (default) | " + " | ".join(f"{med[k]:.2f}" for k in phases) + " |")
-        print(f"| {name} | 30 s | " + " | ".join(f"{med_long[k]:.2f}" for k in phases) + " |")
-        print(f"| {name} | ratio 30 s / 3 s | | | | | | "
-              f"{med_long['total'] / med['total']:.1f}x |")
+    print("| case | how the loss is seen | " + " | ".join(phases) + " | total / default |")
+    print("|---|---|" + "---|" * (len(phases) + 1))
+    for name, med in rows:
+        default = med[next(iter(VARIANTS))]["total"]
+        for variant, m in med.items():
+            print(f"| {name} | {variant} | " + " | ".join(f"{m[k]:.2f}" for k in phases) +
+                  f" | {m['total'] / default:.1f}x |")
     print(f"\nfalse alarms under a CPU hog on every core of one host, {args.hog_s:g} s of "
           f"training, default lease: {alarms}")
 

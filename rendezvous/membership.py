@@ -441,6 +441,12 @@ class Membership:
     def statuses(self) -> dict[str, str]:
         return self.placement.statuses()
 
+    def set_link(self, endpoint: str) -> None:
+        self.placement.set_link(endpoint)
+
+    def links(self) -> dict[str, str]:
+        return self.placement.links()
+
     def mark_finished(self, generation: int) -> None:
         assert self.world is not None
         self.placement.mark_finished(self.world.round, generation)

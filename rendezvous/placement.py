@@ -12,6 +12,8 @@ publishes their decisions:
   how many spares each node has parked, where a lost node's ranks can go.
 - ``P/status/<member>`` (on the member's lease): what its ranks do, for ``tp-run status``
   on any node (an opaque document; written every few seconds, never per step).
+- ``P/link/<member>`` (on the member's lease): where its agent's link listens
+  (:mod:`tp_launch.agent.links`: a node whose agent died is seen when its sockets close).
 - ``P/r<round>/finished/<member>``: the resilient exit barrier, the generation in which
   the member's ranks finished.
 - :meth:`ResilientPlacement.watch`: a poke on every change of the state, of liveness and
@@ -70,6 +72,15 @@ class ResilientPlacement:
     def statuses(self) -> dict[str, str]:
         """member -> its status document."""
         return by_member(self.keys.status_prefix, self.kv.get_prefix(self.keys.status_prefix))
+
+    def set_link(self, endpoint: str) -> None:
+        """Publish where this member's agent link listens, on its lease (KVError
+        raised; the session puts it again when the backend answers)."""
+        self.session.put(self.keys.link(self.me), endpoint)
+
+    def links(self) -> dict[str, str]:
+        """member -> its agent link's endpoint (``host:port``, unchecked)."""
+        return by_member(self.keys.link_prefix, self.kv.get_prefix(self.keys.link_prefix))
 
     def parked_counts(self) -> dict[str, int]:
         prefix = self.keys.parked_prefix

@@ -335,6 +335,13 @@ class Keys:
     def status_prefix(self) -> str:
         return self.root + "status/"
 
+    @property
+    def link_prefix(self) -> str:
+        return self.root + "link/"
+
+    def link(self, member: str) -> str:
+        return self.link_prefix + member
+
     def status(self, member: str) -> str:
         return self.status_prefix + member
 

@@ -618,6 +618,10 @@ def test_node_loss_moves_its_ranks_to_spares(workdir, test_env, reference, etcd_
     assert set(promoted) == moved
     assert all(final[r]["pid"] == promoted[r] != first[r] for r in moved)
     assert f"tp-run: node loss: rank(s) {sorted(moved)}" in results[-1][1]
+    # Its agent's sockets closed with it: the survivor (the decider) saw that at once,
+    # without waiting for the lease (tp_launch.agent.links).
+    survivor_err = results[[p for p in agents if p is not victim].index(survivor)][1]
+    assert "lost (agent gone)" in survivor_err, survivor_err[-3000:]
 
 
 @pytest.mark.slow

@@ -36,7 +36,8 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import asdict, dataclass
+import os
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from rendezvous import RendezvousError, RendezvousHandler, RendezvousInfo, bounded_json
@@ -46,6 +47,7 @@ from rendezvous.state import StateError
 from rendezvous.store_host import StoreHost, StoreServer
 from tp_launch import channel
 from tp_launch.agent.control import Generation
+from tp_launch.agent.links import AgentLinks
 
 if TYPE_CHECKING:
     from rendezvous.membership import Membership
@@ -68,6 +70,7 @@ class View:
     final: bool = False
     complete: bool = False
     broken: str | None = None  # the backend refuses this node: its world is lost
+    dead: set[str] = field(default_factory=set)  # its agent gone, its lease not expired yet
 
     def all_finished(self) -> bool:
         g = self.generation
@@ -252,17 +255,19 @@ class SharedGenerations:
             raise RendezvousError(str(e)) from None
         self._finished_gen: int | None = None  # this node's exit-barrier mark, not yet written
         self._malformed_status: set[str] = set()  # nodes whose status was said malformed
+        self._links = _open_links(membership)
+        self._linked: set[str] = {self.node}  # nodes whose link endpoint was read
         try:
             membership.watch_changes()
             state, _ = membership.until_reachable(membership.read_state)
         except RendezvousError:
-            self._host.close()
+            self._close_links_and_store()
             raise
         except KVError as e:
-            self._host.close()
+            self._close_links_and_store()
             raise RendezvousError(f"the rendezvous backend failed: {e}") from None
         if state is None:
-            self._host.close()
+            self._close_links_and_store()
             raise RendezvousError("the rendezvous state disappeared")
         self._first = self._generation(state)
 
@@ -312,9 +317,28 @@ class SharedGenerations:
         except KVError as e:
             logger.warning("rendezvous: cannot read the job's state: %s", e)
             return None
+        dead = self._dead_agents(alive)
+        alive -= dead
         return View(generation, alive, [n for n in state.spare_ids if n in alive], finished,
                     failed=state.failed, final=state.final,
-                    complete=state.phase == "complete", broken=m.broken)
+                    complete=state.phase == "complete", broken=m.broken, dead=dead)
+
+    def _dead_agents(self, alive: set[str]) -> set[str]:
+        """The nodes of ``alive`` (their lease still held) whose agent is gone, by the
+        links (:mod:`tp_launch.agent.links`); the links are first given the endpoints of
+        live nodes not linked yet."""
+        if self._links is None:
+            return set()
+        if alive - self._linked:
+            try:
+                endpoints = self._m.links()
+            except KVError as e:  # the next view tries again
+                logger.debug("rendezvous: cannot read the agents' links: %s", e)
+            else:
+                mine = {n: e for n, e in endpoints.items() if n in alive and n != self.node}
+                self._linked |= set(mine)
+                self._links.watch(mine)
+        return self._links.dead() & alive
 
     def parked(self) -> dict[str, int]:
         """node -> parked spares ({} if the backend refuses; KVUnavailable raised)."""
@@ -419,4 +443,28 @@ class SharedGenerations:
 
     def close(self) -> None:
         self._m.stop_watching_changes()
+        self._close_links_and_store()
+
+    def _close_links_and_store(self) -> None:
+        if self._links is not None:
+            self._links.close()  # says bye: leaving on purpose is not dying
         self._host.close()
+
+
+def _open_links(membership: Membership) -> AgentLinks | None:
+    """This agent's links, their endpoint published on its lease; None where its
+    address cannot be listened on, or ``TP_RUN_AGENT_LINKS=0`` (then only the leases
+    tell who is gone)."""
+    if os.environ.get("TP_RUN_AGENT_LINKS", "1") == "0":
+        return None
+    try:
+        links = AgentLinks(membership.addr, membership.poke)
+    except OSError as e:
+        logger.info("rendezvous: no agent link on %s (%s): a lost node is seen through "
+                    "its lease only", membership.addr, e)
+        return None
+    try:
+        membership.set_link(links.endpoint)
+    except KVError as e:  # the session puts it again when the backend answers
+        logger.debug("rendezvous: the agent link's endpoint waits for the backend: %s", e)
+    return links

@@ -412,8 +412,10 @@ class Recoverer:
             self.end_job()
         elif decision.move:
             if not at.pending.no_spare:
-                logger.warning("node(s) %s lost (lease expired): moving rank(s) %s",
-                               decision.lost_nodes, sorted(decision.move))
+                how = "agent gone" if set(decision.lost_nodes) <= view.dead else \
+                    "lease expired"
+                logger.warning("node(s) %s lost (%s): moving rank(s) %s",
+                               decision.lost_nodes, how, sorted(decision.move))
             self.recover(decision.move, time.time(), view)
         elif decision.retry:
             # A spare may have parked elsewhere; a deferred generation can go out now.
