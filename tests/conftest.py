@@ -217,6 +217,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                           "flaky case: next to `yes > /dev/null`, say)")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # xdist's schedulers key tests by id: a test listed N times would not run N times.
+    if config.getoption("--repeat") > 1 and getattr(config.option, "numprocesses", None):
+        raise pytest.UsageError("--repeat runs the tests in one process: leave out -n "
+                                "(run two such commands side by side for two)")
+
+
 def _matrix_wanted(config: pytest.Config) -> bool:
     return bool(config.getoption("--matrix") or os.environ.get("TP_RUN_MATRIX") == "1")
 

@@ -124,6 +124,23 @@ def test_a_refused_or_unanswered_endpoint_is_no_evidence(links):
 
 
 @pytest.mark.unit
+def test_a_loopback_endpoint_is_not_linked_from_a_routable_address(links):
+    """A node whose name resolved to 127.0.1.1 on its machine: from a node listening on a
+    routable address, that endpoint is some process of this machine, never linked."""
+    me = AgentLinks("0.0.0.0", lambda: None)  # any routable-looking address here
+    try:
+        server, endpoint = listening()
+        me.watch({"b": endpoint})
+        server.settimeout(0.5)
+        with pytest.raises(socket.timeout):
+            server.accept()
+        assert me.dead() == set()
+        server.close()
+    finally:
+        me.close()
+
+
+@pytest.mark.unit
 def test_strangers_on_the_listener_change_nothing(links):
     me = links()
     host, port = parse_endpoint(me.endpoint)

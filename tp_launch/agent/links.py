@@ -41,6 +41,7 @@ agent is a new member with a new id.
 from __future__ import annotations
 
 import errno
+import ipaddress
 import logging
 import selectors
 import socket
@@ -65,6 +66,13 @@ def parse_endpoint(text: str) -> tuple[str, int] | None:
             not 0 < int(port) < 65536:
         return None
     return host, int(port)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return False
 
 
 def format_endpoint(host: str, port: int) -> str:
@@ -117,6 +125,7 @@ class AgentLinks:
             raise
         self._listener.setblocking(False)
         self.endpoint = format_endpoint(str(sockaddr[0]), self._listener.getsockname()[1])
+        self._loopback = _is_loopback(str(sockaddr[0]))
         self._sel.register(self._listener, selectors.EVENT_READ, "accept")
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._thread = threading.Thread(target=self._run, name="tp-run-links", daemon=True)
@@ -243,6 +252,11 @@ class AgentLinks:
             sock = socket.socket(family, socket.SOCK_STREAM)
         except OSError as e:
             logger.debug("links: %s at %s: %s", node, endpoint, e)
+            return
+        if _is_loopback(str(sockaddr[0])) and not self._loopback:
+            # Another node's name resolved to a loopback address there (127.0.1.1 on
+            # Debian): here it would be some process of this machine's. Not its agent.
+            sock.close()
             return
         sock.setblocking(False)
         out = _Out(node, endpoint, sock)
