@@ -53,6 +53,17 @@ def test_preemption_notice_follows_on_preempt():
     assert stop.notice("SIGUSR1", 0.0) and stop.due(0.0) == "stop"
 
 
+def test_a_signal_on_a_node_with_ranks_is_acted_on_once_the_others_could_drain():
+    """A signal may warn every node at once: a node holding ranks waits ``settle_s``
+    before its first try (the warned spare nodes leave the pool meanwhile), a stop or a
+    spare node's drain does not wait."""
+    adv = Advance("migrate")
+    assert adv.notice("SIGUSR1", 10.0, settle_s=1.0)
+    assert adv.due(10.5) is None and adv.due(11.0) == "migrate"
+    stop = Advance("stop")
+    assert stop.notice("SIGUSR1", 10.0, settle_s=1.0) and stop.due(10.0) == "stop"
+
+
 def test_health_check_failure_migrates_whatever_on_preempt_says():
     adv = Advance("ignore")
     assert adv.notice("health check failed", 0.0, mode="migrate")

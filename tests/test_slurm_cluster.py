@@ -194,11 +194,41 @@ def test_node_warning_moves_its_ranks_to_the_spare_node(slurm, workdir, test_env
     assert len(reentries) == 1, entries(out)  # one boundary, nothing recomputed
 
 
+def test_a_job_wide_warning_stops_the_job(slurm, workdir, test_env):
+    """Slurm's own warning, ``scancel --signal=USR1`` (as ``--signal=USR1@N`` sends it),
+    reaches every node's task at once, with ``ON_PREEMPT=migrate``: the spare node's
+    processes leave the pool and each training node, finding no spare elsewhere, stops
+    the job with one line, every time (the spare node is going away too: moving ranks
+    onto it would only race its drain). The job ends FAILED with exit 1 at once, its
+    workers stopped without waiting out the shutdown timeout, none left."""
+    slurm_cluster, etcd = slurm
+    job_id, out, output = submit(slurm_cluster, etcd, workdir, test_env, "--hold-at", "8",
+                                 ON_PREEMPT="migrate")
+    deadline = time.monotonic() + HANG_TIMEOUT
+    _, ranks_on = held_ranks(slurm_cluster, job_id, out, output, deadline)
+    spare_host = next(h for h in slurm_cluster.nodes if not ranks_on[h.name])
+    while len(workers(spare_host)) < 3:  # its agent and both parked processes
+        assert time.monotonic() < deadline, f"{spare_host.name} parks nothing"
+        time.sleep(0.2)
+    slurm_cluster.cmd(["scancel", "--signal=USR1", job_id])
+    time.sleep(1.0)
+    (out / "release").touch()  # a job that went on would now finish: it must not
+    rec, text = finish(slurm_cluster, job_id, output, test_env["TP_TEST_MARKER"])
+    assert (rec["JobState"], rec["ExitCode"]) == ("FAILED", "1:0"), console(text)
+    lines = [x for x in text.splitlines() if x.startswith("tp-run: ")]
+    assert sorted(lines) == sorted(
+        f"tp-run: error: preemption notice (SIGUSR1): no spare parked on another node for "
+        f"rank(s) {sorted(r)}; stopping the job (its ranks stop now: the script's last "
+        "checkpoint is where a restart resumes)" for r in ranks_on.values() if r), lines
+    assert "did not stop within" not in text, console(text)
+    assert not list(out.glob("final_*.json")), "a rank finished training after the warning"
+
+
 def test_a_whole_host_killed_mid_job(slurm, workdir, test_env, reference):
     """Every process of a training host dies at once (its slurmd, slurmstepd, agent and
     workers: SIGKILL, as a power loss that the kernel reports to the peers). The other
-    node's agent notices the lease of the lost one expire and moves its two ranks to the
-    spare node; Slurm marks the host DOWN and, the job being --no-kill, leaves the job and
+    node's agent sees the lost one's agent connection close (tp_launch.agent.links) and
+    moves its two ranks to the spare node; Slurm marks the host DOWN and, the job being --no-kill, leaves the job and
     its step running; the job ends with torchrun's checksum. (Not the batch host: the
     batch script, and srun, run there; losing it ends any Slurm job.)"""
     slurm_cluster, etcd = slurm

@@ -15,7 +15,16 @@ Two sources warn that this node will fail before it does:
   ``migrate``, once, and logs one line with the command's last output line.
 
 A node that holds no rank (a spare node) has nothing to move or stop: a warning there
-only takes its spares out of the pool. ``migrate`` that cannot happen (no spare parked
+only takes its spares out of the pool, at once. A node that holds ranks waits
+:data:`SETTLE_S` before it first tries to move them on a *signal*: a scheduler's
+warning often reaches every node of the job at once (Slurm's ``--signal``, ``scancel
+--signal``: measured, every node's task gets it), and then the spare nodes, warned too,
+must leave the pool first, or a rank node wins the race, moves its ranks onto a node
+that is going away as well, and the job's fate depends on timing (seen on a real Slurm
+cluster: one node migrated, the other stopped or went on). With the settle, such a
+warning finds no spare parked elsewhere and stops the job (``migrate`` falls back to
+``stop``), every time. A warning given to one node alone waits one second longer
+(advance warnings come minutes ahead). ``migrate`` that cannot happen (no spare parked
 on another node, nor, on a job of one node, enough on this one) falls back to ``stop``.
 A migration that cannot happen *yet* (a recovery in progress, another node's generation
 published meanwhile, the rendezvous backend unreachable) is tried again every
@@ -40,6 +49,9 @@ logger = logging.getLogger(__name__)
 ON_PREEMPT = ("migrate", "stop", "ignore")
 # Seconds between two tries of a node migration that could not happen yet.
 RETRY_S = 1.0
+# Seconds a node holding ranks waits on a preemption signal before it first tries to
+# move them: the spare nodes warned by the same signal leave the pool meanwhile.
+SETTLE_S = 1.0
 
 Action = Literal["migrate", "stop"]
 # A node migration's outcome: done, not yet (try again), or impossible (no spare).
@@ -62,14 +74,17 @@ class Advance:
     done: bool = False  # acted on: no later warning changes anything
     next_try: float = 0.0
 
-    def notice(self, why: str, now: float, mode: Action | None = None) -> bool:
-        """A warning (``mode``: what it asks for; None: ``--on-preempt``). False when it
-        changes nothing: ignored, or a warning is already being acted on."""
+    def notice(self, why: str, now: float, mode: Action | None = None,
+               settle_s: float = 0.0) -> bool:
+        """A warning (``mode``: what it asks for; None: ``--on-preempt``), acted on
+        ``settle_s`` from ``now``. False when it changes nothing: ignored, or a warning is
+        already being acted on."""
         mode = mode or (None if self.on_preempt == "ignore" else
                         "migrate" if self.on_preempt == "migrate" else "stop")
         if mode is None or self.why is not None:
             return False
-        self.why, self.mode, self.next_try = why, mode, now
+        self.why, self.mode = why, mode
+        self.next_try = now + (settle_s if mode == "migrate" else 0.0)
         return True
 
     def due(self, now: float) -> Action | None:

@@ -81,7 +81,7 @@ import time
 from rendezvous import RendezvousHandler, RendezvousInfo, api
 from tp_launch import channel
 from tp_launch.agent import hangs
-from tp_launch.agent.advance import Advance
+from tp_launch.agent.advance import SETTLE_S, Advance
 from tp_launch.agent.health import HealthCheck
 from tp_launch.agent.attempt import Attempt, Proc
 from tp_launch.agent.control import World
@@ -359,8 +359,10 @@ class ResilientAgent(NodeAgent):
         """A preemption notice or a failed health check: move this node's ranks (or
         stop the job), as :class:`~tp_launch.agent.advance.Advance` decides."""
         at, adv, now = self.attempt, self.advance, time.monotonic()
+        holds_ranks = bool(at.world.slot_of or at.unplaced)
         for sig in watch.take_notices():
-            if adv.notice(f"preemption notice ({sig.name})", now):
+            if adv.notice(f"preemption notice ({sig.name})", now,
+                          settle_s=SETTLE_S if holds_ranks else 0.0):
                 logger.warning("%s received: %s", sig.name,
                                "moving this node's ranks" if adv.mode == "migrate"
                                else "stopping the job")
@@ -371,7 +373,7 @@ class ResilientAgent(NodeAgent):
         action = adv.due(now)
         if action is None or at.exiting:
             return
-        if not at.world.slot_of and not at.unplaced:
+        if not holds_ranks:
             action = "migrate"  # no rank here: nothing to stop, its spares leave the pool
         if action == "migrate":
             outcome, reply = self.recoverer.migrate_node(evidence=adv.why or "")
