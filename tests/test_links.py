@@ -53,6 +53,15 @@ def listening() -> tuple[socket.socket, str]:
     return sock, format_endpoint("127.0.0.1", sock.getsockname()[1])
 
 
+def linked(links, poke=None) -> tuple[AgentLinks, socket.socket, socket.socket]:
+    """(links watching node "b", b's listener, b's end of the connection they made)."""
+    me = links(poke)
+    server, endpoint = listening()
+    me.watch({"b": endpoint})
+    peer, _ = server.accept()
+    return me, server, peer
+
+
 @pytest.mark.unit
 def test_endpoints_parse_or_are_refused():
     assert parse_endpoint("10.0.0.1:29400") == ("10.0.0.1", 29400)
@@ -65,10 +74,7 @@ def test_endpoints_parse_or_are_refused():
 @pytest.mark.unit
 def test_a_peer_whose_socket_closes_without_bye_is_dead(links):
     poke = Pokes()
-    me = links(poke)
-    server, endpoint = listening()
-    me.watch({"b": endpoint})
-    peer, _ = server.accept()
+    me, server, peer = linked(links, poke)
     time.sleep(0.1)
     assert me.dead() == set() and not poke.event.is_set()  # connected, quiet: alive
     peer.close()  # what the kernel does for a process that died
@@ -79,10 +85,7 @@ def test_a_peer_whose_socket_closes_without_bye_is_dead(links):
 
 @pytest.mark.unit
 def test_a_reset_is_death_too(links):
-    me = links()
-    server, endpoint = listening()
-    me.watch({"b": endpoint})
-    peer, _ = server.accept()
+    me, server, peer = linked(links)
     peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
     peer.close()  # linger 0: RST
     wait_for(lambda: me.dead() == {"b"})
@@ -154,10 +157,7 @@ def test_strangers_on_the_listener_change_nothing(links):
 
 @pytest.mark.unit
 def test_a_node_no_longer_watched_is_let_go(links):
-    me = links()
-    server, endpoint = listening()
-    me.watch({"b": endpoint})
-    peer, _ = server.accept()
+    me, server, peer = linked(links)
     me.watch({})
     time.sleep(0.3)
     peer.close()
