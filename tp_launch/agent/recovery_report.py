@@ -54,7 +54,7 @@ class Promotion:
     pid: int
 
     def to_json(self) -> dict[str, Any]:
-        return {"rank": self.rank, "slot": self.slot, "pid": self.pid}
+        return asdict(self)
 
 
 @dataclass
