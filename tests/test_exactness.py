@@ -74,6 +74,30 @@ def test_diverged_replicas_stop_the_job_naming_the_rank(workdir, test_env):
     assert not (out / "final_0.json").exists()
 
 
+def test_a_newcomer_that_differs_from_its_donor_stops_the_job_before_the_next_commit(
+        workdir, test_env):
+    # Rank 1 dies in step 4's forward; its spare's optimizer rounds what it receives
+    # (--lossy-load). The digest of the recovered state runs beside the first step after
+    # it; the comparison at that step's commit names the newcomer, and the step is never
+    # committed anywhere.
+    proc, out = launch(TP_RUN, workdir, test_env, "out",
+                       ["--nproc-per-node", "2", "--spares", "1"],
+                       ["--steps", "10", "--lossy-load", "--fault", "1:4:forward"])
+    assert proc.returncode == 1
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("tp-run: error:")]
+    assert errors and "rank(s) [1] do not match rank 0 at step 4" in errors[0], \
+        proc.stderr[-3000:]
+    logged = [int(line.split()[0]) for line in (out / "loss_0.log").read_text().splitlines()]
+    assert logged == [0, 1, 2, 3]
+    assert not (out / "final_0.json").exists()
+    # The same job without the fault: nothing is received, nothing differs.
+    proc, out = launch(TP_RUN, workdir, test_env, "clean",
+                       ["--nproc-per-node", "2", "--spares", "1"],
+                       ["--steps", "10", "--lossy-load"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(set(digests(out, 2))) == 1
+
+
 @pytest.mark.slow
 def test_a_divergence_is_also_caught_after_a_recovery(workdir, test_env):
     # No --verify-every: the digest comparison that follows every recovery finds it

@@ -32,8 +32,8 @@ to the agent (:data:`TO_AGENT`)
         transfer_s, bytes, donor (rank or None), t, verify_s, inexact}: the process
         joined generation ``gen`` and holds the agreed state (``inexact``: what of the
         rank's own state, its random generators or buffers, could not be had).
-    :class:`Stepped` ``stepped`` {gen, rank, step, t}: first committed step after
-        ``resumed``.
+    :class:`Stepped` ``stepped`` {gen, rank, step, t, check_s}: first committed step
+        after ``resumed`` (``check_s``: what the replicas' check took of it).
     :class:`Finished` ``finished`` {gen, rank, step}: the training function returned;
         waiting for the exit barrier (a failure before every rank finished is still
         recovered).
@@ -292,6 +292,7 @@ class Stepped(Message):
     rank: Count
     step: int
     t: float
+    check_s: Seconds = 0.0  # the replicas' check in that step: waiting and comparing
 
 
 @dataclass(frozen=True)

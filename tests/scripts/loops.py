@@ -63,6 +63,9 @@ p.add_argument("--save", default="", help="torch.save(state.state_dict()) here a
 p.add_argument("--load", default="", help="state.load_state_dict() from here before run()")
 p.add_argument("--perturb", default="", help="RANK:STEP: that rank nudges a parameter "
                "after committing STEP (a replica that diverges)")
+p.add_argument("--lossy-load", action="store_true",
+               help="the optimizer's load_state_dict rounds its momentum through bfloat16 "
+               "(a newcomer's received state then differs from its donor's)")
 p.add_argument("--old-style", action="store_true",
                help="the loop of earlier versions: range(state.step, n), no state.steps()")
 p.add_argument("--hold-at", type=int, default=-1,
@@ -112,8 +115,23 @@ if S.get("dropout"):
     layers.append(nn.Dropout(0.2))
 layers += [nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1)]
 model = nn.Sequential(*layers)
+
+
+class LossySGD(torch.optim.SGD):
+    """A bug a real optimizer can have: its state cast on the way in."""
+
+    def load_state_dict(self, state_dict):  # type: ignore[no-untyped-def]
+        super().load_state_dict(state_dict)
+        with torch.no_grad():
+            for st in self.state.values():
+                buf = st.get("momentum_buffer")
+                if buf is not None:
+                    buf.copy_(buf.to(torch.bfloat16).float())
+
+
 opt = torch.optim.AdamW(model.parameters(), lr=0.01) if S.get("amp") else \
-    torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    (LossySGD if args.lossy_load else torch.optim.SGD)(model.parameters(), lr=0.02,
+                                                        momentum=0.9)
 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
 objects: dict = {"model": model, "optimizer": opt, "scheduler": sched}
 if S.get("ema"):

@@ -10,9 +10,11 @@ knows them ``node``, ``slot``, ``pid``, ``exitcode``, ``step``), ``promoted`` (`
 ``slot``, ``pid`` of the spares that took them), ``failed_ranks``, ``step`` (the step the
 ranks resumed at), ``detected_at`` (time.time() of the first failure), then durations in
 seconds: ``decide_s`` (detection to the generation), the slowest rank's ``handoff_s``,
-``rebuild_s`` (the group), ``agree_s``, ``transfer_s``, ``verify_s``, and ``resumed_s``
-(detection to the last rank resumed), ``first_step_s`` (resumed to the last rank's first
-step), ``total_s``; ``inexact`` (what a rank could not restore exactly), ``bytes`` (state
+``rebuild_s`` (the group), ``agree_s``, ``transfer_s``, ``verify_s`` (the replicas'
+check's part before resuming: the digest of what the first iteration changes), and
+``resumed_s`` (detection to the last rank resumed), ``first_step_s`` (resumed to the last
+rank's first step), ``check_s`` (the most any rank's first step spent on the replicas'
+check: waiting for its digest, and the comparison at its commit), ``total_s``; ``inexact`` (what a rank could not restore exactly), ``bytes`` (state
 sent) and ``complete`` (every rank of this node resumed). A duration no rank reported is
 null. The console line says the same in milliseconds (``?``: not reported).
 """
@@ -69,6 +71,7 @@ class Recovery:
     promoted: list[Promotion] = field(default_factory=list)
     resumed: dict[int, channel.Resumed] = field(default_factory=dict)
     stepped: dict[int, float] = field(default_factory=dict)  # rank -> its first step's time
+    checks: dict[int, float] = field(default_factory=dict)  # rank -> that step's check_s
     evidence: str = ""  # why a migration was decided by the agent (a straggler)
 
     def stepped_by_all(self, ranks: Iterable[int]) -> bool:
@@ -104,6 +107,7 @@ def recovery_report(rec: Recovery, ranks_here: int) -> tuple[dict[str, Any], str
         "agree_s": max((m.agree_s for m in resumed), default=None),
         "transfer_s": transfer_s,
         "verify_s": max((m.verify_s for m in resumed), default=None),
+        "check_s": max(rec.checks.values(), default=None),
         "inexact": sorted({f"rank {m.rank}: {what}" for m in resumed
                            for what in m.inexact.split(", ") if what}),
         "bytes": sent,

@@ -242,6 +242,7 @@ class ResilientAgent(NodeAgent):
         elif isinstance(msg, channel.Stepped) and at.recovery and \
                 msg.gen == at.recovery.gen:
             at.recovery.stepped.setdefault(msg.rank, msg.t)
+            at.recovery.checks.setdefault(msg.rank, msg.check_s)
             self.recoverer.maybe_report()
         elif isinstance(msg, channel.Finished) and msg.gen == at.world.gen:
             at.finished.add(msg.rank)

@@ -8,7 +8,9 @@ optimizer built) and connects to its agent there. Then, in a loop:
    its socket: no CPU, once it has loaded what every rank loads at its first step:
    :func:`_warm_up`);
 2. build the generation's group (:mod:`tp_launch.resilient.group`), agree on the step
-   and receive or send the state (:mod:`tp_launch.resilient.transfer`);
+   and receive or send the state (:mod:`tp_launch.resilient.transfer`); begin the
+   replicas' check (:mod:`tp_launch.resilient.replicas`: digested beside the first
+   iteration, compared at its commit);
 3. call ``train(state)``. Its loop (``state.steps()``, ``state.epochs()``/``batches()``)
    commits every iteration that ends (:mod:`tp_launch.resilient.state`), and at each
    commit this module records the restore point (:mod:`tp_launch.resilient.rollback`),
@@ -75,9 +77,9 @@ from tp_launch.resilient.state import (
     ResilientUsageError,
     State,
 )
+from tp_launch.resilient.replicas import Diverged, ReplicaCheck
 from tp_launch.resilient.transfer import (
     Carrier,
-    Diverged,
     StateLost,
     adopt,
     agree_and_transfer,
@@ -86,7 +88,6 @@ from tp_launch.resilient.transfer import (
     recv_state,
     send_pieces,
     send_state,
-    verify,
 )
 from tp_launch.resilient.wire import EncodeError, StateMessage, WireError, tensor_bytes
 from tp_launch.worker_settings import RECOVERY_WAIT_S, WorkerSettings, from_env
@@ -174,6 +175,11 @@ class _ResilientHooks(Hooks):
 
     def committed(self, state: State) -> None:
         r, link = self.r, self.r.link
+        check, r.check = r.check, None
+        if check is not None:  # the first commit after a recovery: not before this
+            t0 = time.monotonic()
+            check.compare()
+            r.check_s = check.waited_s + time.monotonic() - t0
         r.rollback.capture()
         r._record(provisional=False)
         if link.board is not None:
@@ -184,11 +190,11 @@ class _ResilientHooks(Hooks):
         if link.report_first_step:
             link.report_first_step = False
             link.send(channel.Stepped(gen=link.current_gen, rank=r.rank, step=state.step,
-                                      t=time.time()))
+                                      t=time.time(), check_s=r.check_s))
         if self.verify_every and state.step % self.verify_every == 0 \
                 and state.step != self._verified and not state.cursor.ended:
             self._verified = state.step
-            verify(state, r.carrier.per_rank_objects)
+            ReplicaCheck(state, r.carrier.per_rank_objects).compare()
         copies = r.copies
         if copies is not None and copies.due(state.step) and not state.cursor.ended:
             copies.snapshot(lambda: r.carrier.message().to_tree())
@@ -217,7 +223,11 @@ class _Runner:
         self.state = state
         self.backend = backend
         self.timeout = timeout or datetime.timedelta(minutes=30)
-        self.rollback = Rollback(state, on_step=lambda: self._record(provisional=True))
+        self.rollback = Rollback(state, on_step=self._at_optimizer_step)
+        # The replicas' check begun at the last recovery, until the first commit after
+        # it compares (:mod:`tp_launch.resilient.replicas`); what it cost that step.
+        self.check: ReplicaCheck | None = None
+        self.check_s = 0.0
         self.layouts = Layouts(lambda: state.cursor.step)
         self.layouts.install()
         self.carrier = Carrier.of(state, self.rollback, self.layouts)
@@ -298,6 +308,7 @@ class _Runner:
             self._stage(gen.gen, Stage.WAITING)
             self.state.abandon()
             self.layouts.abandon()
+            self.check = None  # its step's digest: the next generation takes its own
             self._release_built()
             group.teardown()
             wait_s = self.settings.recovery_wait_s
@@ -340,12 +351,16 @@ class _Runner:
             copies.settle(stale=link.stale)
             copies.enter(state.step, lambda: self.carrier.message().to_tree(),
                          lambda: copy_rows(copies, rank, gen.world_size))
+        self.check, self.check_s = None, 0.0
+        if stats.compare:
+            self.check = ReplicaCheck(state, self.carrier.per_rank_objects, background=True)
         link.send(channel.Resumed(
             gen=gen.gen, rank=gen.rank, step=stats.step, handoff_s=t1 - t0,
             group_s=t2 - t1, agree_s=stats.agree_s, transfer_s=stats.transfer_s,
             # Received only: a donor's sent bytes are some receiver's received ones.
             bytes=(stats.bytes if stats.donor is not None else 0) + handoff_bytes,
-            donor=stats.donor, t=time.time(), verify_s=stats.verify_s,
+            donor=stats.donor, t=time.time(),
+            verify_s=self.check.now_s if self.check is not None else 0.0,
             inexact=", ".join(stats.inexact)))
         if link.board is not None:
             link.board.write(link.slot, state.step)
@@ -391,6 +406,12 @@ class _Runner:
             del kept  # the last generation's pieces
         rollback.refresh_layout()
         rollback.capture()
+
+    def _at_optimizer_step(self) -> None:
+        """The iteration's point of no return: the parameters change from here on."""
+        if self.check is not None:
+            self.check.ready()
+        self._record(provisional=True)
 
     def _record(self, provisional: bool) -> None:
         """Write this rank's own state (generators, CPU buffers) to its record: at a

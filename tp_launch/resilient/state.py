@@ -486,6 +486,13 @@ class State:
         last step may differ in (one was told of a failure at its last commit, another
         had already returned) with the same training state. ``skip``: objects left out
         (each rank's own: a data stream of its own)."""
+        return digest_tree(self.compared_tree(buffers, sharded, skip))
+
+    def compared_tree(self, buffers: bool = True, sharded: bool = True,
+                      skip: Collection[str] = ()) -> dict[str, Any]:
+        """What :meth:`digest` hashes, as a tree (the same arguments): the position
+        without ``pass_rng`` and ``ended``, ``extra`` and the objects' states (their
+        tensors the live ones, not copies)."""
         objects = {}
         for name, obj in self.objects.items():
             if name in skip:
@@ -495,10 +502,9 @@ class State:
                 own = {n for n, _ in obj.named_buffers()}
                 sd = {k: v for k, v in sd.items() if k not in own}
             objects[name] = sd if sharded else sharding.without_dtensors(sd)
-        tree = {"cursor": {k: v for k, v in self.cursor.to_tree().items()
+        return {"cursor": {k: v for k, v in self.cursor.to_tree().items()
                            if k not in ("pass_rng", "ended")},
                 "extra": self.extra, "objects": objects}
-        return digest_tree(tree)
 
 
 def _check_objects(objects: dict[str, Any], where: str) -> None:

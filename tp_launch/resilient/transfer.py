@@ -18,8 +18,8 @@ when the state is lost, are that module's), then performs the decision:
 * back to buddy copies (:mod:`tp_launch.resilient.copies`): a gather of the snapshots
   picks the step; each rank takes its own snapshot of it or receives its holder's copy.
 
-Each ends with :func:`verify`: the ranks compare a digest of their replicated state (under
-HSDP, each shard's holders theirs); a difference is :class:`Diverged`.
+The transfer and the copies end with ``TransferStats.compare``: the caller then has the
+replicas compared (:mod:`tp_launch.resilient.replicas`, off the critical path).
 
 What a donor sends (:func:`send_state`, in :mod:`tp_launch.resilient.wire`'s format, no
 pickle): the position, ``extra``, every registered object's ``state_dict()``, the
@@ -56,11 +56,11 @@ from tp_launch.resilient.copies import BuddyCopies, CopiesLost, copy_plan
 from tp_launch.resilient.ddp import Layouts
 from tp_launch.resilient.group import all_gather_flat
 from tp_launch.resilient.rollback import Rollback
-from tp_launch.resilient.state import Cursor, ResilientUsageError, State, digest_tree
+from tp_launch.resilient.replicas import differing_objects
+from tp_launch.resilient.state import Cursor, ResilientUsageError, State
 from tp_launch.resilient.wire import (
     DTYPES,
     CopyRow,
-    EncodeError,
     Holding,
     StateMessage,
     WireError,
@@ -76,10 +76,6 @@ from tp_launch.resilient.wire import (
 logger = logging.getLogger(__name__)
 
 
-class Diverged(RuntimeError):
-    """Ranks that should hold identical state do not."""
-
-
 @dataclass
 class TransferStats:
     """What one rank did in the agreement and transfer."""
@@ -87,10 +83,10 @@ class TransferStats:
     step: int = 0
     agree_s: float = 0.0
     transfer_s: float = 0.0
-    verify_s: float = 0.0
     bytes: int = 0
     donor: int | None = None  # the rank this one received from
     inexact: list[str] = field(default_factory=list)  # per-rank generators lost
+    compare: bool = False  # the replicas are to be compared (not at the job's start)
 
 
 @dataclass
@@ -284,7 +280,7 @@ def agree_and_transfer(carrier: Carrier, fresh: bool,
                        predecessor: Predecessor | None = None,
                        copies: BuddyCopies | None = None) -> TransferStats:
     """On the current default group: agree on the committed state and bring every rank
-    to it, then check that the ranks hold the same replicated state.
+    to it (``compare`` in the result: the replicas are to be compared next).
 
     Args:
         carrier: this rank's state.
@@ -296,7 +292,6 @@ def agree_and_transfer(carrier: Carrier, fresh: bool,
 
     Raises:
         StateLost: no rank can provide the committed state exactly.
-        Diverged: after the transfer, ranks' states differ.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     pg = dist.distributed_c10d._get_default_group()
@@ -344,7 +339,7 @@ def agree_and_transfer(carrier: Carrier, fresh: bool,
                 f"{extra[0]} keeps state in get_extra_state(), which resilient mode does "
                 "not carry: a newcomer would go on without it; keep it in buffers, or run "
                 "without --spares")
-        carrier.per_rank_objects = _differing_objects(state, world) | state.per_rank
+        carrier.per_rank_objects = differing_objects(state, world) | state.per_rank
         state.took_committed()
         return stats
     if agreement.kind is Kind.FROM_COPIES:
@@ -385,33 +380,8 @@ def agree_and_transfer(carrier: Carrier, fresh: bool,
         logger.info("rank %s: state at step %s %s (%d bytes, %.3f s)", rank, top,
                     f"received from rank {plan[rank]}" if rank in plan else "sent",
                     stats.bytes, stats.transfer_s)
-    t2 = time.monotonic()
-    verify(state, carrier.per_rank_objects)
-    stats.verify_s = time.monotonic() - t2
+    stats.compare = True
     return stats
-
-
-def _differing_objects(state: State, world: int) -> set[str]:
-    """The registered objects, neither modules nor optimizers, whose state differs
-    between the ranks at the job's start: each rank's own (a data stream seeded by
-    rank). Collective."""
-    names = sorted(state.others)
-    words = [_object_word(state.objects[n]) for n in names]
-    gathered = torch.zeros(world * len(names), dtype=torch.int64)
-    if names:
-        all_gather_flat(gathered, torch.tensor(words, dtype=torch.int64))
-    rows = gathered.view(world, len(names)).tolist() if names else []
-    return {n for i, n in enumerate(names) if len({row[i] for row in rows}) > 1}
-
-
-def _object_word(obj: Any) -> int:
-    """64 bits of a digest of ``obj.state_dict()``; 0 for one the wire cannot carry (it
-    fails if it ever has to travel, not here)."""
-    try:
-        return int.from_bytes(bytes.fromhex(digest_tree(obj.state_dict()))[:8], "little",
-                              signed=True)
-    except EncodeError:
-        return 0
 
 
 _BUFFERS_BIT = len(rng.GENERATORS)
@@ -447,9 +417,7 @@ def _back_to_copies(carrier: Carrier, copies: BuddyCopies, stats: TransferStats,
     logger.info("rank %s: back to step %s from buddy copies (%s, %d bytes, %.3f s)", rank,
                 step, f"received from rank {plan[rank]}" if rank in plan else "its own",
                 stats.bytes, stats.transfer_s)
-    t2 = time.monotonic()
-    verify(carrier.state, carrier.per_rank_objects)
-    stats.verify_s = time.monotonic() - t2
+    stats.compare = True
     return stats
 
 
@@ -576,43 +544,6 @@ def _own_state(carrier: Carrier, rows: list[Holding], donors: list[int],
     return lost
 
 
-def verify(state: State, own: Collection[str] = ()) -> None:
-    """All ranks compare a digest of their replicated state (``own``: the objects that
-    are each rank's own, left out).
-
-    Raises:
-        Diverged: naming the ranks that differ from the lowest rank's state.
-    """
-    world = dist.get_world_size()
-    classes = sharding.copy_classes(state.modules, world)
-    if classes is not None and len(set(classes)) == world:
-        classes = None  # plain FSDP: no two ranks hold the same pieces, none to compare
-    pieces = sharding.local_tree({n: sharding.object_state(o) for n, o in state.objects.items()
-                                  if n not in own}) if classes is not None else None
-    words = [int.from_bytes(w[i:i + 8], "little", signed=True)
-             for w in (bytes.fromhex(state.digest(buffers=False, sharded=False, skip=own)),
-                       bytes.fromhex(digest_tree(pieces))) for i in (0, 8)]
-    gathered = torch.zeros(world * 4, dtype=torch.int64)
-    all_gather_flat(gathered, torch.tensor(words, dtype=torch.int64))
-    rows = [tuple(r) for r in gathered.view(world, 4).tolist()]
-    differ = [r for r, row in enumerate(rows) if row[:2] != rows[0][:2]]
-    if differ:
-        # Every rank is here alike (the same rows): name the objects, one more gather.
-        others = sorted(_differing_objects(state, world) - set(own))
-        hint = (f" in {others} (an object each rank keeps its own, its data loader, is "
-                f"declared with State(per_rank={others}))") if others else ""
-        raise Diverged(f"the ranks' states differ{hint}: rank(s) {differ} do not match "
-                       f"rank 0 at step {state.step}")
-    if classes is not None:
-        first: dict[Any, int] = {}
-        for r in range(world):
-            first.setdefault(classes[r], r)
-        differ = [r for r in range(world) if rows[r][2:] != rows[first[classes[r]]][2:]]
-        if differ:
-            raise Diverged(f"the ranks' shards differ: rank(s) {differ} do not match the "
-                           f"other holders of their pieces at step {state.step}")
-
-
-__all__ = ["Carrier", "Diverged", "PeerGroup", "StateLost", "TransferStats", "adopt",
+__all__ = ["Carrier", "PeerGroup", "StateLost", "TransferStats", "adopt",
            "agree_and_transfer", "buffers_digest", "copy_rows", "donor_plan", "recv_pieces",
-           "recv_state", "send_pieces", "send_state", "verify"]
+           "recv_state", "send_pieces", "send_state"]
