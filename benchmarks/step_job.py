@@ -6,9 +6,12 @@
 same loop through resilient mode (``resilient.State``, ``for step in state.steps(N)``,
 ``resilient.run``), exact across recoveries with DDP's own all-reduce. ``ordered``: the
 resilient loop with the ``ordered_allreduce_hook`` that earlier versions needed for
-exact results. Rank 0 writes every step's wall time (after a warm-up) to FILE as JSON,
-and the time the loop itself took between one body's end and the next one's start
-(``boundary``: tp-run's commit in resilient mode, ``range``'s next in plain mode).
+exact results. Rank 0 writes to FILE as JSON every step's wall time (``times``, from the
+first step on: the caller picks its window), the time the loop itself took between one
+body's end and the next one's start (``boundary``: tp-run's commit in resilient mode,
+``range``'s next in plain mode), and under tp-run the index of the first step that
+started after the spare had parked (``parked``; null if it had not by the end; the
+spare starts when the ranks reach ``run()``, beside the first steps).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -25,7 +29,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 p = argparse.ArgumentParser()
 p.add_argument("--mode", choices=["plain", "resilient", "ordered"], required=True)
 p.add_argument("--steps", type=int, default=60)
-p.add_argument("--warmup", type=int, default=5)
 p.add_argument("--params-m", type=float, default=10.5)
 p.add_argument("--out", required=True)
 args = p.parse_args()
@@ -37,27 +40,27 @@ model = nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(WIDTH, WIDT
 opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
 
 
-def train(steps) -> tuple[list[float], list[float]]:  # type: ignore[no-untyped-def]
+def train(steps: Iterable[int]) -> tuple[list[float], list[float], int | None]:
     ddp = DDP(model)
     if args.mode == "ordered":
         from tp_launch.resilient import ordered_allreduce_hook
 
         ddp.register_comm_hook(None, ordered_allreduce_hook)
     rank = dist.get_rank()
-    if args.mode != "plain":
-        # Steady state: the spare (started once the ranks reach run()) has parked. Its
-        # start, a few CPU-seconds once per job, would otherwise fall in the timed steps
-        # and, on a machine with a core per rank, slow them as any process would.
+    # Under tp-run, rank 0 watches for the spare's park (a status file read per step,
+    # until it has parked) to tell the steps beside the spare's start from the rest.
+    watch = args.mode != "plain" and rank == 0
+    if watch:
         from tp_launch.resilient import parked_spares
-
-        deadline = time.monotonic() + 300
-        while parked_spares() < 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
-    times, boundary = [], []
+    times: list[float] = []
+    boundary: list[float] = []
+    parked: int | None = None
     t0 = t1 = time.perf_counter()
     for step in steps:
         # From the end of the previous body to here: the loop's own cost (the commit).
         boundary.append(time.perf_counter() - t1)
+        if watch and parked is None and parked_spares() >= 1:
+            parked = len(times)  # this step: the first without the spare's start beside
         g = torch.Generator().manual_seed(step * 100 + rank)
         x = torch.randn(32, WIDTH, generator=g)
         loss = ddp(x).square().mean()
@@ -68,22 +71,22 @@ def train(steps) -> tuple[list[float], list[float]]:  # type: ignore[no-untyped-
         times.append(t1 - t0)
         t0 = t1
     # A step's time includes the commit of the step before, which runs when the loop
-    # resumes.
-    return times[args.warmup:], boundary[args.warmup + 1:]
+    # resumes: boundary[i] belongs to times[i].
+    return times, boundary, parked
 
 
 if args.mode == "plain":
     dist.init_process_group("gloo")
-    times, boundary = train(range(args.steps))
+    times, boundary, parked = train(range(args.steps))
 else:
     from tp_launch import resilient
 
     state = resilient.State(model=model, optimizer=opt)
-    box: list[tuple[list[float], list[float]]] = []
+    box: list[tuple[list[float], list[float], int | None]] = []
     resilient.run(lambda s: box.append(train(s.steps(args.steps))), state)
-    times, boundary = box[0]
+    times, boundary, parked = box[0]
 if dist.get_rank() == 0:
     with open(args.out, "w") as f:
         json.dump({"mode": args.mode, "world": dist.get_world_size(), "times": times,
-                   "boundary": boundary}, f)
+                   "boundary": boundary, "parked": parked}, f)
 dist.destroy_process_group()

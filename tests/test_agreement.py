@@ -46,15 +46,25 @@ FSDP_4 = [(0,), (1,), (2,), (3,)]  # one copy of each shard
     (rows(0, 0, 0), {"fresh": True}, Agreement(Kind.FRESH, 0)),
     (rows(7, 7), {"fresh": True}, Agreement(Kind.FRESH, 7)),  # a checkpoint, loaded by all
     # Survivors at the top step, newcomers at -1: donors round-robin.
-    (rows(5, -1), {}, Agreement(Kind.TRANSFER, 5, (0,), {1: 0})),
+    (rows(5, -1), {}, Agreement(Kind.TRANSFER, 5, (0,), {1: 0}, senders={1: (0,)})),
     (rows(5, 5, 5), {}, Agreement(Kind.TRANSFER, 5, (0, 1, 2), {})),  # nothing moves
-    (rows(5, -1, 5, -1), {}, Agreement(Kind.TRANSFER, 5, (0, 2), {1: 0, 3: 2})),
-    (rows(-1, 5, 5, -1, -1), {}, Agreement(Kind.TRANSFER, 5, (1, 2), {0: 1, 3: 2, 4: 1})),
+    # Every other donor sends a share too, the second senders spread alike.
+    (rows(5, -1, 5, -1), {}, Agreement(Kind.TRANSFER, 5, (0, 2), {1: 0, 3: 2},
+                                       senders={1: (0, 2), 3: (2, 0)})),
+    (rows(-1, 5, 5, -1, -1), {}, Agreement(Kind.TRANSFER, 5, (1, 2), {0: 1, 3: 2, 4: 1},
+                                           senders={0: (1, 2), 3: (2, 1), 4: (1, 2)})),
+    (rows(5, -1, 5, 5), {"most_donors": 2},
+     Agreement(Kind.TRANSFER, 5, (0, 2, 3), {1: 0}, senders={1: (0, 2)})),
     # A survivor behind (its rollback failed) receives like a newcomer.
-    (rows(5, 4, -1), {}, Agreement(Kind.TRANSFER, 5, (0,), {1: 0, 2: 0})),
+    (rows(5, 4, -1), {}, Agreement(Kind.TRANSFER, 5, (0,), {1: 0, 2: 0},
+                                   senders={1: (0,), 2: (0,)})),
     # HSDP: a receiver is served by a replica peer of its own shard.
     (rows(5, -1, -1, 5, sharded=3), {"built": True, "classes": HSDP_2x2},
-     Agreement(Kind.TRANSFER, 5, (0, 3), {1: 3, 2: 0})),
+     Agreement(Kind.TRANSFER, 5, (0, 3), {1: 3, 2: 0}, senders={1: (3,), 2: (0,)})),
+    # Three replicas of two shards: a receiver's other senders hold its own shard.
+    (rows(5, 5, -1, 5, 5, -1, sharded=3),
+     {"built": True, "classes": [(0,), (1,), (0,), (1,), (0,), (1,)]},
+     Agreement(Kind.TRANSFER, 5, (0, 1, 3, 4), {2: 0, 5: 1}, senders={2: (0, 4), 5: (1, 3)})),
     # Plain FSDP lost a shard, buddy copies exist: every rank goes back to them.
     (rows(5, -1, 5, 5, sharded=2), {"built": True, "classes": FSDP_4, "copies": True},
      Agreement(Kind.FROM_COPIES, 5)),

@@ -20,7 +20,7 @@ from rendezvous import RendezvousInfo
 from tp_launch import channel
 from tp_launch.agent.attempt import Attempt, Proc
 from tp_launch.agent.control import Generation, World
-from tp_launch.agent.decisions import Phase
+from tp_launch.agent.decisions import REPLACEMENT_WAIT_S, Phase
 from tp_launch.agent.generations import LocalGenerations
 from tp_launch.agent.processes import missing_spares
 from tp_launch.agent.recovery import Recoverer, StopJob
@@ -167,7 +167,28 @@ def test_a_dead_rank_takes_the_parked_spare_and_survivors_hear_of_it():
     new = [m for m in n.told(spare) if isinstance(m, channel.NewGeneration)][0]
     assert new.from_slot == 1  # the newcomer reads its predecessor's record
     assert n.at.holders == {0, 2}  # the newcomer holds nothing until it resumes
-    assert len(n.at.procs) == 5  # a replacement spare starts at once
+    # The replacement spare waits for the recovered ranks' first step (it would take
+    # CPU from it), then starts.
+    assert len(n.at.procs) == 4
+    for rank in (0, 1, 2):
+        n.resume(rank)
+        n.at.recovery.stepped[rank] = 200.0
+        n.processes.spawn_missing(n.at)
+        assert len(n.at.procs) == 4
+    n.rec.maybe_report()  # every rank stepped: the report is written
+    n.processes.spawn_missing(n.at)  # the agent's next tick
+    assert n.at.recovery is None and len(n.at.procs) == 5
+
+
+def test_a_replacement_spare_starts_anyway_when_the_first_step_is_late():
+    n = Node(ranks=2, spares=1)
+    n.park()
+    n.kill(1)
+    n.processes.spawn_missing(n.at)
+    assert len(n.at.procs) == 3  # waiting for the first step after the recovery...
+    n.at.recovery.decided -= REPLACEMENT_WAIT_S  # ...which has not come in time
+    n.processes.spawn_missing(n.at)
+    assert len(n.at.procs) == 4
 
 
 def test_two_failures_in_one_tick_are_one_generation():

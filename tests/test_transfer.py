@@ -92,6 +92,25 @@ def _side(rank: int, port: int, queue: mp.Queue, hostile: tuple[str, ...]) -> No
                             carrier.state.scheduler.state_dict())))
 
 
+def _trio(rank: int, port: int, queue: mp.Queue) -> None:
+    """Ranks 0 and 2 hold the same state; rank 1 receives it from both at once."""
+    import torch.distributed as dist
+
+    from tp_launch.resilient.transfer import recv_state, serve
+
+    store = dist.TCPStore("127.0.0.1", port, 3, is_master=rank == 0)
+    pg = dist.ProcessGroupGloo(store, rank, 3)
+    model, opt, carrier = _state(1 if rank == 1 else 0)
+    big_before = model.big.data_ptr()
+    moved = recv_state(carrier, pg, 0, (2,)) if rank == 1 else \
+        serve(carrier, pg, rank, {1: (0, 2)})
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    adam = [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()]
+    queue.put(pickle.dumps((rank, moved, sd, adam, model.big.data_ptr() == big_before,
+                            carrier.state.step, carrier.state.extra,
+                            carrier.state.scheduler.state_dict())))
+
+
 def _send_hostile(pg, kind: str) -> None:  # type: ignore[no-untyped-def]
     """A fake peer: what an attacker on the gloo port, or a broken sender, could send."""
     def send(t: torch.Tensor) -> None:
@@ -118,10 +137,14 @@ def _send_hostile(pg, kind: str) -> None:  # type: ignore[no-untyped-def]
 
 
 def _run_pair(hostile: tuple[str, ...] = ()) -> dict:
+    return _run(2, _side, hostile)
+
+
+def _run(world: int, side, *args) -> dict:  # type: ignore[no-untyped-def]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_side, args=(r, port, queue, hostile)) for r in range(2)]
+    procs = [ctx.Process(target=side, args=(r, port, queue, *args)) for r in range(world)]
     for p in procs:
         p.start()
     results = {}
@@ -148,6 +171,21 @@ def test_state_arrives_exact_with_small_tensors_packed():
     assert in_place  # the large parameter was received into the receiver's own tensor
     assert step1 == step0 == 40 and extra1 == extra0
     assert sched1 == sched0 and math.isinf(sched1["mode_worse"])
+
+
+@pytest.mark.slow
+def test_a_newcomer_receives_from_two_donors_at_once():
+    results = _run(3, _trio)
+    (got, sd1, adam1, in_place, step1, extra1, sched1) = results[1]
+    sent = {r: results[r][0] for r in (0, 2)}
+    assert sent[0] > 0 and sent[2] > 0  # both sent a share...
+    assert sent[0] + sent[2] == got  # ...and nothing twice
+    (_, sd0, adam0, _, step0, extra0, sched0) = results[0]
+    for k in sd0:
+        assert torch.equal(sd0[k], sd1[k]), k
+    for a, b in zip(adam0, adam1):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert in_place and step1 == step0 == 40 and extra1 == extra0 and sched1 == sched0
 
 
 HOSTILE = ("pickle", "version", "json", "tag", "dtype", "objects")
@@ -229,3 +267,28 @@ def test_plan_packs_small_tensors_by_dtype_and_keeps_large_ones_alone():
     packs = plan_sends(many)
     assert sum(map(len, packs)) == 8000 and all(len(p) * 4000 <= 16 << 20 for p in packs)
     assert len(packs) == 2
+
+
+def test_shares_spread_the_large_sharable_tensors_by_path():
+    from tp_launch.resilient.transfer import shares
+
+    mb = 1 << 18  # float32 elements in a MiB
+    specs = [TensorSpec((4 * mb,), "float32"), TensorSpec((2,), "float32"),
+             TensorSpec((2 * mb,), "float32"), TensorSpec((2 * mb,), "float32"),
+             TensorSpec((3 * mb,), "float32")]
+    paths = [("objects", "model", "w"), ("objects", "model", "b"),
+             ("objects", "opt", "state", 0, "exp_avg"), ("objects", "model", "bn.mean"),
+             ("objects", "opt", "state", 0, "exp_avg_sq")]
+
+    def sharable(path):  # type: ignore[no-untyped-def]
+        return path[-1] != "bn.mean"
+
+    # The first sender starts with what only it sends (b, bn.mean: 2 MiB + 8 bytes);
+    # then by path: model.w (4 MiB) to 1, opt's exp_avg (2 MiB) to 0, exp_avg_sq
+    # (3 MiB) to 1 (4 MiB against 4 MiB + 8 bytes).
+    assert shares(paths, specs, (0, 1), sharable) == {0: [2], 1: [0, 4]}
+    # The order in which a holder lists its tensors does not matter, only their paths.
+    order = [4, 3, 2, 1, 0]
+    got = shares([paths[i] for i in order], [specs[i] for i in order], (0, 1), sharable)
+    assert {s: sorted(order[i] for i in v) for s, v in got.items()} == {0: [2], 1: [0, 4]}
+    assert shares(paths, specs, (3,), sharable) == {3: []}  # one sender: all its own

@@ -39,6 +39,7 @@ def test_names_are_the_interface():
         "TP_RUN_HEARTBEAT": "0",
         "TP_RUN_SPARE": "1",
         "TP_RUN_RECOVERY_WAIT_S": "60.0",
+        "TP_RUN_DONORS": "0",
     }
     # A rank's: every variable written, so nothing the agent inherited leaks through.
     rank = WorkerSettings(channel="/s", slot=0).to_env()

@@ -46,6 +46,12 @@ when there is no board.
     (keep it above the rendezvous lease TTL; the tests shorten it to prove the outage
     paths in seconds).
 
+``TP_RUN_DONORS`` (:data:`ENV_DONORS`)
+    The most ranks that send the state to one newcomer at once, each a share of its large
+    tensors, an integer >= 0. Default 0: every rank that holds it. Read by the agent from
+    its own environment (:func:`donors_from`) and passed on: set it for tp-run (the
+    benchmarks compare one donor with several this way).
+
 Any other value (a slot that is not a non-negative integer, ``TP_RUN_HEARTBEAT=yes``, a
 version this module does not know) is a :class:`SettingsError`: one line naming the
 variable, raised by :func:`from_env` before the worker does anything.
@@ -76,6 +82,7 @@ ENV_SHARD_COPY_EVERY = "TP_RUN_SHARD_COPY_EVERY"
 ENV_HEARTBEAT = "TP_RUN_HEARTBEAT"
 ENV_SPARE = "TP_RUN_SPARE"
 ENV_RECOVERY_WAIT = "TP_RUN_RECOVERY_WAIT_S"
+ENV_DONORS = "TP_RUN_DONORS"
 
 _COUNT = re.compile(r"[0-9]+")  # ASCII only: str.isdigit() takes "²", which int() refuses
 _FLAGS = {"0": False, "1": True}
@@ -101,6 +108,7 @@ class WorkerSettings:
         spare: whether the process starts as a parked spare.
         recovery_wait_s: how long a rank waits for the next generation after a failed
             collective.
+        donors: the most ranks sending the state to one newcomer; 0: all that hold it.
         version: the record's format (:data:`VERSION`).
     """
 
@@ -112,13 +120,15 @@ class WorkerSettings:
     heartbeat: bool = True
     spare: bool = False
     recovery_wait_s: float = RECOVERY_WAIT_S
+    donors: int = 0
     version: int = VERSION
 
     def __post_init__(self) -> None:
         if not self.channel:
             raise SettingsError(f"{ENV_SOCKET}: the agent's socket path is empty")
         for name, value in ((ENV_SLOT, self.slot), (ENV_VERIFY_EVERY, self.verify_every),
-                            (ENV_SHARD_COPY_EVERY, self.shard_copy_every)):
+                            (ENV_SHARD_COPY_EVERY, self.shard_copy_every),
+                            (ENV_DONORS, self.donors)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise SettingsError(f"{name}={value!r}: not an integer >= 0")
         wait = self.recovery_wait_s
@@ -139,6 +149,7 @@ class WorkerSettings:
             ENV_HEARTBEAT: "1" if self.heartbeat else "0",
             ENV_SPARE: "1" if self.spare else "0",
             ENV_RECOVERY_WAIT: repr(float(self.recovery_wait_s)),
+            ENV_DONORS: str(self.donors),
         }
         if self.progress:
             env[ENV_PROGRESS] = self.progress
@@ -177,6 +188,7 @@ def from_env(environ: Mapping[str, str] | None = None) -> WorkerSettings | None:
         heartbeat=_flag(env, ENV_HEARTBEAT, default=True),
         spare=_flag(env, ENV_SPARE, default=False),
         recovery_wait_s=recovery_wait_from(env),
+        donors=donors_from(env),
         version=version,
     )
 
@@ -199,6 +211,15 @@ def recovery_wait_from(environ: Mapping[str, str] | None = None) -> float:
     if not 0 < value < float("inf"):
         raise SettingsError(f"{ENV_RECOVERY_WAIT}={raw!r}: not a positive number of seconds")
     return value
+
+
+def donors_from(environ: Mapping[str, str] | None = None) -> int:
+    """``TP_RUN_DONORS`` from ``environ`` (default: :data:`os.environ`); 0 when absent.
+
+    Raises:
+        SettingsError: not an integer >= 0.
+    """
+    return _count(os.environ if environ is None else environ, ENV_DONORS, 0)
 
 
 def _count(env: Mapping[str, str], name: str, default: int) -> int:

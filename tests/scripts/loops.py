@@ -96,8 +96,10 @@ def fault(where: str, step: int) -> None:
                 not os.path.exists(os.path.join(OUT, f"marker_{r}_{s}_{w}")):
             from tp_launch.resilient import parked_spares
 
-            # As many spares as ranks die in this iteration (they may die at once).
-            together = sum(1 for _, s2, _w in FAULTS if s2 == step)
+            # As many spares as ranks die in this iteration (they may die at once; one
+            # that died in an earlier run of it needs none now).
+            together = sum(1 for r2, s2, w2 in FAULTS if s2 == step and
+                           not os.path.exists(os.path.join(OUT, f"marker_{r2}_{s2}_{w2}")))
             while "TP_RUN_CHANNEL" in os.environ and parked_spares() < together:
                 time.sleep(0.05)
             if once(f"{r}_{s}_{w}"):

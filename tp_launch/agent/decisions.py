@@ -399,16 +399,29 @@ def node_migration_refusal(draining: bool, ranks_here: int, unplaced: int,
 # ---------------------------------------------------------------- spares to start
 
 
-def spares_to_start(pool: int, unplaced: int, waiting: int, starting: int) -> int:
+# The longest a promoted spare's replacement waits for the recovered ranks' first step:
+# past it (a slow first step, or a script that waits for a parked spare before stepping)
+# it starts anyway.
+REPLACEMENT_WAIT_S = 10.0
+
+
+def spares_to_start(pool: int, unplaced: int, waiting: int, starting: int,
+                    recovering: bool = False) -> int:
     """How many spare processes to start now on this node. ``pool``: the spares the node
     keeps (``--spares``); ``unplaced``: ranks of this generation with no process here;
     ``waiting``: ranks of this node that lost their process and wait for a spare
     (``--spare-policy wait``); ``starting``: spare processes started here, not dead,
-    not holding a rank (starting or parked).
+    not holding a rank (starting or parked); ``recovering``: a recovery on this node
+    whose ranks have not all committed their first step after it (for at most
+    :data:`REPLACEMENT_WAIT_S`).
 
     Ranks that wait for a spare get one started each, beside the pool: two ranks lost
-    with ``--spares 1`` would otherwise wait for a second spare that never starts."""
-    return max(0, pool + unplaced + waiting - starting)
+    with ``--spares 1`` would otherwise wait for a second spare that never starts. The
+    pool's replacement for a promoted spare waits until the recovered ranks have taken
+    their first step: a process starting beside them takes CPU from that step (measured:
+    the first step after a recovery took 1.5x a normal one with the replacement starting
+    at once); a rank that needs a process now gets it at once."""
+    return max(0, (0 if recovering else pool) + unplaced + waiting - starting)
 
 
 # ---------------------------------------------------------------- the attempt's end

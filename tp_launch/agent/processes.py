@@ -23,7 +23,7 @@ import time
 from tp_launch import progress
 from tp_launch.agent.attempt import Attempt, Proc
 from tp_launch.agent.control import SpareRestarts
-from tp_launch.agent.decisions import spares_to_start
+from tp_launch.agent.decisions import REPLACEMENT_WAIT_S, spares_to_start
 from tp_launch.agent.failures import exit_description
 from tp_launch.agent.worker_env import (PER_WORKER_VARS, spare_env, without_agent_secrets,
                                         worker_argv, worker_env)
@@ -31,7 +31,12 @@ from tp_launch.config import ConfigError, LaunchConfig
 from tp_launch.procs import template
 from tp_launch.procs.logs import LogLayout, RankLogs, SpareOutput
 from tp_launch.procs.worker import WorkerProcess, signal_main_thread, spawn, stop_workers
-from tp_launch.worker_settings import SettingsError, WorkerSettings, recovery_wait_from
+from tp_launch.worker_settings import (
+    SettingsError,
+    WorkerSettings,
+    donors_from,
+    recovery_wait_from,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +51,9 @@ def missing_spares(at: Attempt) -> int:
                    if at.slot_rank(p.slot) is None and p.worker.returncode is None
                    and p.slot not in at.retired)
     waiting = sum(1 for node in at.pending.no_spare.values() if node == at.world.node)
-    return spares_to_start(at.pool, len(at.unplaced), waiting, starting)
+    recovering = at.recovery is not None and \
+        time.time() - at.recovery.decided < REPLACEMENT_WAIT_S
+    return spares_to_start(at.pool, len(at.unplaced), waiting, starting, recovering)
 
 
 class Processes:
@@ -74,6 +81,7 @@ class Processes:
         self.template: template.ProcessTemplate | None = None
         try:  # the ranks' wait for a generation, which this agent's decisions allow for
             self.recovery_wait_s = recovery_wait_from()
+            self.donors = donors_from()
         except SettingsError as e:
             raise ConfigError(str(e)) from None
 
@@ -90,7 +98,7 @@ class Processes:
             verify_every=cfg.verify_every, shard_copy_every=cfg.shard_copy_every,
             # Without hang or straggler detection nobody reads the heartbeat.
             heartbeat=bool(cfg.hang_timeout_for(resilient=True) or cfg.straggler_factor),
-            spare=spare, recovery_wait_s=self.recovery_wait_s).to_env())
+            spare=spare, recovery_wait_s=self.recovery_wait_s, donors=self.donors).to_env())
         argv = worker_argv(cfg, device)
         try:
             worker = WorkerProcess(argv, env, rl.stdout, rl.stderr, device, piped=spare,

@@ -37,7 +37,8 @@ The rule, in this order (the first that applies decides):
    donor of the receiver's **copy class**, the ranks that hold the same pieces (HSDP's
    replica peers: :func:`tp_launch.resilient.sharding.copy_classes`). Receivers are
    spread over their class's donors round-robin, so several newcomers are served in
-   parallel by different donors. A receiver whose pieces no donor holds (plain FSDP
+   parallel by different donors; the other donors of its class send it a share of the
+   large tensors at the same time (:func:`senders`). A receiver whose pieces no donor holds (plain FSDP
    keeps one copy of each shard; under HSDP every replica of it died) sends every rank
    back to the buddy copies when they exist (:attr:`Kind.FROM_COPIES`), else it is
    :class:`StateLost`. When every rank is at the highest step the plan is empty:
@@ -75,8 +76,9 @@ class Agreement:
 
     ``step``: the step every rank is at after a fresh start, the highest committed step
     otherwise (-1: no rank holds one; a recovery from buddy copies picks its own step
-    later). ``donors`` and ``plan`` (receiver -> donor; empty when no rank is behind)
-    are a transfer's; ``per_rank_generators`` a fresh start's.
+    later). ``donors``, ``plan`` (receiver -> donor; empty when no rank is behind) and
+    ``senders`` (receiver -> its donor and the donors that share the sending,
+    :func:`senders`) are a transfer's; ``per_rank_generators`` a fresh start's.
     """
 
     kind: Kind
@@ -84,11 +86,12 @@ class Agreement:
     donors: tuple[int, ...] = ()
     plan: dict[int, int] = field(default_factory=dict, hash=False)
     per_rank_generators: frozenset[str] = frozenset()
+    senders: dict[int, tuple[int, ...]] = field(default_factory=dict, hash=False)
 
 
 def decide(rows: Sequence[Holding], *, fresh: bool, copies: bool, built: bool,
            classes: Sequence[Any] | None, example: str | None = None,
-           generators: Sequence[str] = rng.GENERATORS) -> Agreement:
+           generators: Sequence[str] = rng.GENERATORS, most_donors: int = 0) -> Agreement:
     """The agreement of the ranks whose gathered rows are ``rows`` (rank order).
 
     Args:
@@ -103,6 +106,7 @@ def decide(rows: Sequence[Holding], *, fresh: bool, copies: bool, built: bool,
             sharded state without ``build`` (the only thing here that may differ
             between ranks: the decision does not).
         generators: the names of the generator digests in a row's ``generators``.
+        most_donors: the most ranks sending to one receiver (0: all that can).
 
     Raises:
         StateLost: no rank can provide the committed state exactly (the rule's cases).
@@ -127,14 +131,15 @@ def decide(rows: Sequence[Holding], *, fresh: bool, copies: bool, built: bool,
                         "(State(build=...) must build the same objects on every rank)")
     if top < 0:
         return Agreement(Kind.FROM_COPIES, top)
+    classes = classes if counts != {0} else None
     try:
-        plan = donor_plan(steps, classes if counts != {0} else None)
+        plan = donor_plan(steps, classes)
     except StateLost:
         if not copies:
             raise
         return Agreement(Kind.FROM_COPIES, top)
     return Agreement(Kind.TRANSFER, top, tuple(r for r, s in enumerate(steps) if s == top),
-                     plan)
+                     plan, senders=senders(plan, steps, classes, most_donors))
 
 
 def per_rank_generators(rows: Sequence[Holding],
@@ -177,4 +182,24 @@ def donor_plan(steps: Sequence[int], classes: Sequence[Any] | None = None) -> di
     return plan
 
 
-__all__ = ["Agreement", "Kind", "StateLost", "decide", "donor_plan", "per_rank_generators"]
+def senders(plan: dict[int, int], steps: Sequence[int], classes: Sequence[Any] | None = None,
+            most: int = 0) -> dict[int, tuple[int, ...]]:
+    """Receiver -> the ranks that send it the state: its donor in ``plan`` first (it
+    sends the document), then the other donors of its copy class, in rank order from the
+    one after it, so that several receivers' second senders differ too; at most ``most``
+    in all (0: every donor of its class). The large tensors are shared among them
+    (:func:`tp_launch.resilient.transfer.shares`): the newcomer receives from all at once."""
+    top = max(steps) if steps else -1
+    donors = [r for r, s in enumerate(steps) if s == top]
+    out: dict[int, tuple[int, ...]] = {}
+    for receiver, first in plan.items():
+        key = None if classes is None else classes[receiver]
+        mine = [d for d in donors if classes is None or classes[d] == key]
+        i = mine.index(first) if first in mine else 0
+        order = [first] + [d for d in mine[i + 1:] + mine[:i] if d != first]
+        out[receiver] = tuple(order[:most] if most > 0 else order)
+    return out
+
+
+__all__ = ["Agreement", "Kind", "StateLost", "decide", "donor_plan", "per_rank_generators",
+           "senders"]

@@ -61,7 +61,7 @@ import torch.distributed as dist
 
 from tp_launch.resilient.sharding import map_tensors
 from tp_launch.resilient.state import Cursor, GenerationChanged
-from tp_launch.resilient.wire import CopyRow, receive_message, send_message
+from tp_launch.resilient.wire import CopyRow, Send, Wait, receive_message, send_message
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +150,21 @@ def _host_copy(tree: Any, spare: Any = None) -> Any:
     return map_tensors(tree, copy)
 
 
+def _freeze(tree: Any, stepped_only: Callable[[tuple[Any, ...]], bool],
+            path: tuple[Any, ...] = ()) -> Any:
+    """``tree`` as it is now, for a copy taken later: its containers rebuilt, its
+    tensors cloned but those only the optimizer step changes (kept live)."""
+    if isinstance(tree, torch.Tensor):
+        return tree if stepped_only(path) else tree.detach().clone()
+    if isinstance(tree, dict):
+        return {k: _freeze(v, stepped_only, (*path, k)) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_freeze(v, stepped_only, (*path, i)) for i, v in enumerate(tree)]
+    if isinstance(tree, tuple) and not hasattr(tree, "_fields"):
+        return tuple(_freeze(v, stepped_only, (*path, i)) for i, v in enumerate(tree))
+    return tree
+
+
 class BuddyCopies:
     """This rank's own snapshots and its copies of its ward's, and their exchange."""
 
@@ -159,6 +174,8 @@ class BuddyCopies:
         self.ward: dict[int, Any] = {}  # step -> a complete copy of the ward's
         self._lock = threading.Lock()  # self.ward: written by the receiving thread
         self._threads: list[threading.Thread] = []
+        self._copied = threading.Event()  # no snapshot is being copied in the background
+        self._copied.set()
         self._pg: Any = None
         self._vote: Any = None  # whether every rank's last exchange ended: at commits
         self.rank = self.holder = self.ward_rank = 0
@@ -187,12 +204,20 @@ class BuddyCopies:
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 
-    def snapshot(self, message: Callable[[], Any]) -> None:
+    def snapshot(self, message: Callable[[], Any],
+                 stepped_only: Callable[[tuple[Any, ...]], bool] | None = None) -> None:
         """At a due commit, on every rank (a collective: the vote): copy the committed
         state (``message()``: its tree) and start its exchange, unless some rank's last
         exchange is still on the way: then every rank skips it. Training never waits
-        for a copy, and a holder that hangs does not hang its ward beyond the next
-        collective (the hang detection must find the one that is stuck)."""
+        for a copy's exchange, and a holder that hangs does not hang its ward beyond the
+        next collective (the hang detection must find the one that is stuck).
+
+        ``stepped_only``: which tensors of the tree only the optimizer step changes
+        (:meth:`tp_launch.resilient.state.State.stepped_only`, by path). Given, only the
+        rest is copied here (small: buffers, the position...); those (the parameters and
+        the optimizer's state, nearly all of it) are copied on the exchange's thread
+        while the next iteration's forward and backward run, and the optimizer step
+        waits for that copy (:meth:`copied`, from its pre-hook)."""
         if self._pg is None:
             return
         ended = torch.tensor([0 if any(t.is_alive() for t in self._threads) else 1])
@@ -204,8 +229,20 @@ class BuddyCopies:
         if not int(ended.item()):
             logger.debug("buddy copy skipped: a rank's last one is still on its way")
             return
-        tree = self._own_snapshot(message)
-        self._exchange(tree, _step_of(tree), receive=True)
+        if stepped_only is None:
+            tree = self._own_snapshot(message)
+            self._exchange(tree, _step_of(tree), receive=True)
+            return
+        live = message()
+        step = _step_of(live)
+        frozen = _freeze(live, stepped_only)
+        del live
+        self._exchange(None, step, receive=True, copy=frozen)
+
+    def copied(self) -> None:
+        """Wait until the snapshot being copied on the exchange's thread is complete (the
+        optimizer step is about to change what it reads)."""
+        self._copied.wait()
 
     def enter(self, step: int, message: Callable[[], Any],
               rows: Callable[[], Sequence[CopyRow]]) -> None:
@@ -226,17 +263,19 @@ class BuddyCopies:
 
     def _own_snapshot(self, message: Callable[[], Any]) -> Any:
         """The committed state copied into host memory, kept as this rank's own."""
-        live = message()
+        return self._keep_own(message())
+
+    def _keep_own(self, live: Any) -> Any:
         step = _step_of(live)
         kept = _keep(self.own, step - 1, CopyRow.KEPT - 1)
         tree = _host_copy(live, _dropped(self.own, kept))
-        del live
         self.own = {**kept, step: tree}
         return tree
 
-    def _exchange(self, tree: Any, step: int, receive: bool) -> None:
+    def _exchange(self, tree: Any, step: int, receive: bool, copy: Any = None) -> None:
         """Send ``tree`` (None: nothing) to the holder and, with ``receive``, take the
-        ward's copy of ``step``, in the background."""
+        ward's copy of ``step``, in the background. ``copy``: a tree to copy into this
+        rank's own snapshot first, on the sending thread, then send."""
         with self._lock:  # room for the copy about to arrive
             ward = _keep(self.ward, step - 1 if receive else step,
                          CopyRow.KEPT - 1 if receive else CopyRow.KEPT)
@@ -246,7 +285,11 @@ class BuddyCopies:
             return  # a world of one: nobody to hold it
         pg = self._pg
         self._threads = []
-        if tree is not None:
+        if copy is not None:
+            self._copied.clear()
+            self._threads.append(threading.Thread(target=self._copy_and_send, args=(pg, copy),
+                                                  daemon=True, name="tp-run buddy copy send"))
+        elif tree is not None:
             self._threads.append(threading.Thread(target=self._send, args=(pg, tree),
                                                   daemon=True, name="tp-run buddy copy send"))
         if receive:
@@ -284,7 +327,7 @@ class BuddyCopies:
         tensors, and the snapshot must stay as it was)."""
         return map_tensors(self.own[step], torch.clone)
 
-    def serve(self, step: int, send: Callable[[torch.Tensor], None],
+    def serve(self, step: int, send: Send,
               objects: Sequence[str] | None = None) -> int:
         """Send the ward's copy of ``step`` (``objects``: only those registered objects
         of it, by name); returns the tensor bytes sent."""
@@ -294,15 +337,23 @@ class BuddyCopies:
             tree = {n: tree["objects"][n] for n in objects}
         return send_message(tree, send)
 
+    def _copy_and_send(self, pg: Any, frozen: Any) -> None:
+        try:
+            with torch.no_grad():
+                tree = self._keep_own(frozen)
+        finally:
+            self._copied.set()
+        self._send(pg, tree)
+
     def _send(self, pg: Any, tree: Any) -> None:
         try:
-            send_message(tree, lambda t: pg.send([t], self.holder, 0).wait())
+            send_message(tree, lambda t: pg.send([t], self.holder, 0).wait)
         except Exception as e:  # the holder died, or the generation ended
             logger.info("buddy copy to rank %s not sent: %s", self.holder, e)
 
     def _receive(self, pg: Any, spare: Any) -> None:
-        def recv(t: torch.Tensor) -> None:
-            pg.recv([t], self.ward_rank, 0).wait()
+        def recv(t: torch.Tensor) -> Wait:
+            return pg.recv([t], self.ward_rank, 0).wait
 
         try:
             _, copy = receive_message(recv, _tensors(spare))

@@ -197,7 +197,8 @@ class _ResilientHooks(Hooks):
             ReplicaCheck(state, r.carrier.per_rank_objects).compare()
         copies = r.copies
         if copies is not None and copies.due(state.step) and not state.cursor.ended:
-            copies.snapshot(lambda: r.carrier.message().to_tree())
+            copies.snapshot(lambda: r.carrier.message().to_tree(),
+                            state.stepped_only if state.optimizers else None)
 
     def check(self, state: State) -> None:
         newer = self.r.link.newer()
@@ -342,7 +343,7 @@ class _Runner:
         if self.copies is not None:
             self.copies.open(gen.rank, gen.world_size, _local_world(gen.world_size))
         stats = agree_and_transfer(self.carrier, fresh=fresh, predecessor=self._predecessor(gen),
-                                   copies=self.copies)
+                                   copies=self.copies, most_donors=self.settings.donors)
         self.layouts.keep_buffers = not fresh
         self.rollback.refresh_layout()
         self.rollback.capture()
@@ -411,6 +412,8 @@ class _Runner:
         """The iteration's point of no return: the parameters change from here on."""
         if self.check is not None:
             self.check.ready()
+        if self.copies is not None:
+            self.copies.copied()
         self._record(provisional=True)
 
     def _record(self, provisional: bool) -> None:

@@ -194,6 +194,7 @@ class State:
         self._depth = 0  # how many of our loops' bodies are running
         self._long_depth = 0  # how many long_phase() marks are open
         self._callbacks: list[Callable[[], Any]] = []
+        self._param_names: dict[int, set[str]] = {}  # id(module) -> its parameters' names
         self._replaying = False  # epochs() restored the pass's generators: batches() need not
         self._resume_rng: dict[str, Any] | None = None  # the committed ones, meanwhile
         self._broken: tuple[list[Callable[[], Any]], bool] | None = None
@@ -219,6 +220,7 @@ class State:
 
     def drop_built(self) -> None:
         """Forget what ``build`` returned (the objects bound to a generation's groups)."""
+        self._param_names = {}  # a new object may take a dropped one's id
         for name in self.built:
             del self.objects[name]
         self.built = set()
@@ -295,6 +297,23 @@ class State:
     @property
     def optimizers(self) -> dict[str, torch.optim.Optimizer]:
         return {n: o for n, o in self.objects.items() if isinstance(o, torch.optim.Optimizer)}
+
+    def stepped_only(self, path: tuple[Any, ...]) -> bool:
+        """Whether the tensor at ``path`` of a state tree (``("objects", name, key,
+        ...)``) is one that only an optimizer step changes: a registered module's
+        parameter, an optimizer's state. The rest (buffers: a forward pass changes
+        them; the position, other objects) may change anywhere in an iteration."""
+        if len(path) < 3 or path[0] != "objects" or path[1] not in self.objects:
+            return False
+        obj = self.objects[path[1]]
+        if isinstance(obj, torch.optim.Optimizer):
+            return path[2] == "state"
+        if isinstance(obj, torch.nn.Module):
+            names = self._param_names.get(id(obj))
+            if names is None:  # once per module object (a rebuild makes new ones)
+                names = self._param_names[id(obj)] = {n for n, _ in obj.named_parameters()}
+            return path[2] in names
+        return False
 
     @property
     def others(self) -> dict[str, Any]:

@@ -45,7 +45,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Optional, Sequence, Union
+from typing import Any, Callable, Collection, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -64,13 +64,19 @@ from tp_launch.resilient.wire import (
     Holding,
     StateMessage,
     WireError,
+    Send,
+    TensorSpec,
+    Wait,
+    alone,
     fill,
     leaves,
     receive_document,
     receive_message,
     receive_tensors,
     send_message,
+    send_tensors,
     tensor_bytes,
+    tensor_paths,
 )
 
 logger = logging.getLogger(__name__)
@@ -147,19 +153,23 @@ def _carries(pg: Any, t: torch.Tensor) -> bool:
         return False
 
 
-def _p2p(pg: Any, peer: int, receive: bool) -> Callable[[torch.Tensor], None]:
-    """Move one tensor to or from ``peer``; through a host copy where ``pg`` needs it."""
+def _p2p(pg: Any, peer: int, receive: bool) -> Send:
+    """Post one tensor's move to or from ``peer``; through a host copy where ``pg``
+    needs it. Returns the wait for its completion (:data:`tp_launch.resilient.wire.Send`)."""
     op = pg.recv if receive else pg.send
 
-    def move(t: torch.Tensor) -> None:
+    def move(t: torch.Tensor) -> Wait:
         if _carries(pg, t):
-            op([t], peer, 0).wait()
-        elif receive:
+            return op([t], peer, 0).wait
+        if receive:
             host = torch.empty(t.shape, dtype=t.dtype)
-            op([host], peer, 0).wait()
-            t.copy_(host)
-        else:
-            op([t.detach().to("cpu").contiguous()], peer, 0).wait()
+            work = op([host], peer, 0)
+
+            def land() -> None:
+                work.wait()
+                t.copy_(host)
+            return land
+        return op([t.detach().to("cpu").contiguous()], peer, 0).wait
     return move
 
 
@@ -185,8 +195,11 @@ def recv_pieces(pg: PeerGroup, src: int) -> tuple[int, StateMessage]:
     return got, StateMessage.from_tree(tree)
 
 
-def recv_state(carrier: Carrier, pg: PeerGroup, src: int) -> int:
+def recv_state(carrier: Carrier, pg: PeerGroup, src: int,
+               helpers: Sequence[int] = ()) -> int:
     """Receive a committed state from ``src`` in ``pg`` and adopt it; returns bytes.
+    ``helpers``: other ranks holding the same state, which send their :func:`shares` of
+    its large tensors in parallel (:func:`serve`).
 
     Raises:
         WireError: the message is malformed, or not a state of this script.
@@ -218,9 +231,71 @@ def recv_state(carrier: Carrier, pg: PeerGroup, src: int) -> int:
             in_place[path[1]] = False
         device = mine.device if mine is not None else _device_of(state, path)
         buffers.append(torch.empty(spec.shape, dtype=DTYPES[spec.dtype], device=device))
-    got = receive_tensors(specs, buffers, recv)
+    paths = [path for path, _ in placed]
+    split = shares(paths, specs, [src, *helpers], _sharable(state, message.per_rank_objects))
+    got = receive_tensors(specs, buffers, recv,
+                          [(_p2p(pg, h, receive=True), split[h]) for h in helpers])
     adopt(carrier, StateMessage.from_tree(fill(tree, buffers)), in_place)
     return got
+
+
+def _sharable(state: State, per_rank: Collection[str]) -> Callable[[tuple[Any, ...]], bool]:
+    """Whether a tensor at a path is the same on every holder of a state: one only the
+    optimizer step changes (:meth:`State.stepped_only`: not a buffer, which can be a
+    rank's own, DDP ranks' BatchNorm statistics), of an object the ranks do not keep
+    their own."""
+    return lambda path: len(path) > 1 and path[1] not in per_rank and state.stepped_only(path)
+
+
+def shares(paths: Sequence[tuple[Any, ...]], specs: Sequence[TensorSpec],
+           senders: Sequence[int], sharable: Callable[[tuple[Any, ...]], bool]
+           ) -> dict[int, list[int]]:
+    """Which of a message's tensors each of ``senders`` sends, beyond the first one's
+    document: the large sharable tensors, in path order, each to the sender with the
+    fewest bytes so far (the first one starts with what only it sends). Every sender and
+    the receiver compute it alike from the same declarations; by path, so that holders
+    whose state lists the same tensors in another order still agree. The first
+    sender's share is what :func:`plan_sends` leaves it."""
+    load = {s: 0 for s in senders}
+    out: dict[int, list[int]] = {s: [] for s in senders}
+    if len(senders) < 2:
+        return out
+    spread = sorted((i for i, spec in enumerate(specs) if alone(spec) and sharable(paths[i])),
+                    key=lambda i: [str(x) for x in paths[i]])
+    load[senders[0]] = sum(specs[i].nbytes for i in range(len(specs)) if i not in set(spread))
+    for i in spread:
+        s = min(senders, key=lambda x: (load[x], senders.index(x)))
+        out[s].append(i)
+        load[s] += specs[i].nbytes
+    return out
+
+
+def serve(carrier: Carrier, pg: PeerGroup, rank: int,
+          receivers: Mapping[int, Sequence[int]]) -> int:
+    """As ``rank`` of ``pg``, send this rank's part of the committed state to each of
+    ``receivers`` (receiver -> its senders, the first one sending the document):
+    everything posted, then waited for. Returns the tensor bytes sent."""
+    message = carrier.message()
+    tree = message.to_tree()
+    _, tensors, paths = tensor_paths(tree)
+    specs = [TensorSpec.of(t) for t in tensors]
+    sharable = _sharable(carrier.state, message.per_rank_objects)
+    pending: list[Optional[Wait]] = []
+    sent = 0
+    for receiver, senders in receivers.items():
+        if rank not in senders:
+            continue
+        split = shares(paths, specs, senders, sharable)
+        send = _p2p(pg, receiver, receive=False)
+        if rank == senders[0]:
+            others = {i for s in senders[1:] for i in split[s]}
+            sent += send_message(tree, send, others, pending)
+        else:
+            sent += send_tensors([tensors[i] for i in split[rank]], send, pending)
+    for wait in pending:
+        if wait is not None:
+            wait()
+    return sent
 
 
 def adopt(carrier: Carrier, message: StateMessage,
@@ -278,7 +353,8 @@ Predecessor = Callable[[int], Optional[per_rank.Entry]]
 
 def agree_and_transfer(carrier: Carrier, fresh: bool,
                        predecessor: Predecessor | None = None,
-                       copies: BuddyCopies | None = None) -> TransferStats:
+                       copies: BuddyCopies | None = None,
+                       most_donors: int = 0) -> TransferStats:
     """On the current default group: agree on the committed state and bring every rank
     to it (``compare`` in the result: the replicas are to be compared next).
 
@@ -289,6 +365,8 @@ def agree_and_transfer(carrier: Carrier, fresh: bool,
             on this node (:mod:`tp_launch.resilient.per_rank`), by step.
         copies: the buddy copies (:mod:`tp_launch.resilient.copies`) to go back to when
             no survivor holds some rank's pieces; the same on every rank (None or not).
+        most_donors: the most ranks sending to one receiver (0: every holder of its
+            state); the same on every rank.
 
     Raises:
         StateLost: no rank can provide the committed state exactly.
@@ -321,7 +399,8 @@ def agree_and_transfer(carrier: Carrier, fresh: bool,
     # Every rank decides alike, from the same rows: none waits in a collective another
     # rank skips.
     agreement = decide(rows, fresh=fresh, copies=copies is not None, built=built,
-                       classes=classes, example=sharded[0] if sharded else None)
+                       classes=classes, example=sharded[0] if sharded else None,
+                       most_donors=most_donors)
     top, plan = agreement.step, agreement.plan
     stats = TransferStats(step=top, agree_s=time.monotonic() - t0)
     if agreement.kind is Kind.FRESH:
@@ -351,11 +430,9 @@ def agree_and_transfer(carrier: Carrier, fresh: bool,
         own_buffers = [b.clone() if b is not None else None
                        for b in rollback.committed_buffers()]
         stats.donor = plan[rank]
-        stats.bytes = recv_state(carrier, pg, plan[rank])
+        stats.bytes = recv_state(carrier, pg, plan[rank], agreement.senders[rank][1:])
     else:
-        for receiver, donor in plan.items():
-            if donor == rank:
-                stats.bytes += send_state(carrier, pg, receiver)
+        stats.bytes = serve(carrier, pg, rank, agreement.senders)
     # Every rank alike: the plan is the same everywhere, and so are the objects each
     # rank keeps its own (a receiver has the donor's list now).
     from_copy = False
@@ -546,4 +623,4 @@ def _own_state(carrier: Carrier, rows: list[Holding], donors: list[int],
 
 __all__ = ["Carrier", "PeerGroup", "StateLost", "TransferStats", "adopt",
            "agree_and_transfer", "buffers_digest", "copy_rows", "donor_plan", "recv_pieces",
-           "recv_state", "send_pieces", "send_state"]
+           "recv_state", "send_pieces", "send_state", "serve", "shares"]

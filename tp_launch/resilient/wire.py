@@ -66,7 +66,7 @@ import ctypes
 import json
 import math
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Optional, Sequence
 
 import torch
 
@@ -372,19 +372,31 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
 # ---------------------------------------------------------------- on a process group
 
 
-Send = Callable[[torch.Tensor], None]
-Recv = Callable[[torch.Tensor], None]
+# Post one tensor's send or receive. It may complete at once (returns None) or return
+# the wait for its completion: a sender posts every tensor of a message before waiting for
+# any, a receiver posts every receive, so that the transport is never idle between two
+# tensors (gloo matches the sends and receives of one pair in the order they are posted).
+Wait = Callable[[], None]
+Send = Callable[[torch.Tensor], Optional[Wait]]
+Recv = Callable[[torch.Tensor], Optional[Wait]]
 
 
-def plan_sends(specs: Sequence[TensorSpec]) -> list[list[int]]:
+def _done(pending: Optional[Wait]) -> None:
+    if pending is not None:
+        pending()
+
+
+def plan_sends(specs: Sequence[TensorSpec], skip: Collection[int] = ()) -> list[list[int]]:
     """Group tensor indices into sends: a large tensor alone; consecutive small tensors
     of one dtype together, up to 16 MiB (a gloo send has a fixed cost of about a
     millisecond, which dominates for biases and norms). Sender and receiver compute the
-    same plan from the same document."""
+    same plan from the same document. ``skip``: indices another sender sends."""
     sends: list[list[int]] = []
     pack: list[int] = []
     pack_bytes, pack_dtype = 0, ""
     for i, spec in enumerate(specs):
+        if i in skip:
+            continue
         nbytes = spec.nbytes
         if nbytes >= _SMALL_BYTES:
             sends.append([i])
@@ -400,31 +412,68 @@ def plan_sends(specs: Sequence[TensorSpec]) -> list[list[int]]:
     return sends
 
 
-def send_message(tree: Any, send: Send) -> int:
-    """Send ``tree`` (its document, then its tensors); returns the tensor bytes sent."""
+def alone(spec: TensorSpec) -> bool:
+    """Whether :func:`plan_sends` sends a tensor of ``spec`` on its own (it may then come
+    from another sender than the document's)."""
+    return spec.nbytes >= _SMALL_BYTES
+
+
+def tensor_paths(tree: Any) -> tuple[Any, list[torch.Tensor], list[tuple[Any, ...]]]:
+    """``tree``'s document, its tensors and each tensor's path in the tree (as a receiver
+    finds them with :func:`leaves`)."""
+    doc, tensors = encode(tree)
+    paths: list[tuple[Any, ...]] = [()] * len(tensors)
+    for path, leaf in leaves(decode(doc, len(tensors))):
+        paths[leaf.index] = path
+    return doc, tensors, paths
+
+
+def send_message(tree: Any, send: Send, skip: Collection[int] = (),
+                 pending: Optional[list[Optional[Wait]]] = None) -> int:
+    """Send ``tree`` (its document, then its tensors but those in ``skip``, which other
+    senders send); returns the tensor bytes sent. ``pending``: leave the sends' waits
+    there instead of waiting (the caller posts more first)."""
     doc, tensors = encode(tree)
     specs = [TensorSpec.of(t) for t in tensors]
     body = json.dumps({"tree": doc, "tensors": [s.to_json() for s in specs]},
                       allow_nan=False, separators=(",", ":")).encode()
-    send(torch.tensor([MAGIC, VERSION, len(body)], dtype=torch.int64))
-    send(torch.frombuffer(bytearray(body), dtype=torch.uint8))
+    waits = [send(torch.tensor([MAGIC, VERSION, len(body)], dtype=torch.int64)),
+             send(torch.frombuffer(bytearray(body), dtype=torch.uint8))]
     sent = 0
-    for group in plan_sends(specs):
+    for group in plan_sends(specs, skip):
         if len(group) == 1:
             t = tensors[group[0]].detach()
             t = t if t.is_contiguous() else t.contiguous()
         else:
             device = tensors[group[0]].device
             t = torch.cat([tensors[i].detach().reshape(-1).to(device) for i in group])
-        send(t)
+        waits.append(send(t))
         sent += t.numel() * t.element_size()
+    _settle(waits, pending)
     return sent
+
+
+def send_tensors(tensors: Sequence[torch.Tensor], send: Send,
+                 pending: Optional[list[Optional[Wait]]] = None) -> int:
+    """Send ``tensors``, each alone (a share of a message another sender declared);
+    returns the bytes sent. ``pending``: as :func:`send_message`'s."""
+    _settle([send(t.detach() if t.is_contiguous() else t.detach().contiguous())
+             for t in tensors], pending)
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _settle(waits: list[Optional[Wait]], pending: Optional[list[Optional[Wait]]]) -> None:
+    if pending is not None:
+        pending.extend(waits)
+        return
+    for w in waits:
+        _done(w)
 
 
 def receive_document(recv: Recv) -> tuple[Any, list[TensorSpec]]:
     """The next message's tree (tensors as :class:`Leaf`) and tensor declarations."""
     header = torch.zeros(3, dtype=torch.int64)
-    recv(header)
+    _done(recv(header))
     magic, version, length = (int(x) for x in header.tolist())
     if magic != MAGIC:
         raise WireError("not a tp-run state message (bad magic)")
@@ -433,7 +482,7 @@ def receive_document(recv: Recv) -> tuple[Any, list[TensorSpec]]:
     if not 0 < length <= MAX_DOCUMENT:
         raise WireError(f"bad document length {length}")
     body = torch.empty(length, dtype=torch.uint8)
-    recv(body)
+    _done(recv(body))
     try:
         doc = json.loads(tensor_bytes(body).decode())
     except (UnicodeDecodeError, ValueError) as e:
@@ -470,23 +519,34 @@ def _allocate(spec: TensorSpec) -> torch.Tensor:
 
 
 def receive_tensors(specs: Sequence[TensorSpec], buffers: Sequence[torch.Tensor],
-                    recv: Recv) -> int:
-    """Receive a message's tensors into ``buffers`` (one per spec, matching it)."""
+                    recv: Recv, shares: Sequence[tuple[Recv, Sequence[int]]] = ()) -> int:
+    """Receive a message's tensors into ``buffers`` (one per spec, matching it): from
+    ``recv``, but those of ``shares`` (another sender's receive and the indices it
+    sends, in its order, each alone). Every receive is posted before any is waited for."""
+    skip = {i for _, indices in shares for i in indices}
     got = 0
+    pending: list[Optional[Wait]] = []
+    packs: list[tuple[torch.Tensor, list[int]]] = []
     with torch.no_grad():
-        for group in plan_sends(specs):
+        for group in plan_sends(specs, skip):
             if len(group) == 1:
                 t = buffers[group[0]]
-                recv(t)
             else:
                 first = buffers[group[0]]
                 t = torch.empty(sum(specs[i].nbytes // DTYPES[specs[i].dtype].itemsize
                                     for i in group), dtype=first.dtype, device=first.device)
-                recv(t)
-                offset = 0
-                for i in group:
-                    n = buffers[i].numel()
-                    buffers[i].copy_(t[offset:offset + n].view(buffers[i].shape))
-                    offset += n
+                packs.append((t, group))
+            pending.append(recv(t))
             got += t.numel() * t.element_size()
+        for other, indices in shares:
+            for i in indices:
+                pending.append(other(buffers[i]))
+                got += buffers[i].numel() * buffers[i].element_size()
+        _settle(pending, None)
+        for t, group in packs:
+            offset = 0
+            for i in group:
+                n = buffers[i].numel()
+                buffers[i].copy_(t[offset:offset + n].view(buffers[i].shape))
+                offset += n
     return got
