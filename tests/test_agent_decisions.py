@@ -31,6 +31,8 @@ from tp_launch.agent.decisions import (
     node_migration_refusal,
     placement_order,
     plan_recovery,
+    replacement_wait,
+    spares_to_start,
 )
 from tp_launch.worker_settings import RECOVERY_WAIT_S
 
@@ -367,3 +369,21 @@ def test_node_migration_refusal(kw, want):
 ])
 def test_attempt_settled(name, rcs, pending, unplaced, phase, resilient, has, settled):
     assert attempt_settled(rcs, pending, unplaced, phase, resilient, has) is settled, name
+
+
+@pytest.mark.parametrize("pool,unplaced,waiting,starting,recovering,want", [
+    (1, 0, 0, 0, False, 1),  # the pool's spare
+    (1, 0, 0, 1, False, 0),  # parked or starting already
+    (1, 0, 0, 0, True, 0),  # a promoted spare's replacement waits for the first step...
+    (1, 1, 0, 0, True, 1),  # ...a rank without a process does not
+    (1, 0, 2, 0, True, 2),  # nor ranks waiting for a spare (--spare-policy wait)
+    (1, 0, 2, 0, False, 3),  # one each, beside the pool
+    (2, 0, 0, 1, False, 1),
+])
+def test_spares_to_start(pool, unplaced, waiting, starting, recovering, want):
+    assert spares_to_start(pool, unplaced, waiting, starting, recovering) == want
+
+
+@pytest.mark.parametrize("step_s,want", [(0.0, 2.0), (0.01, 2.0), (1.5, 4.5), (8.0, 10.0)])
+def test_replacement_wait(step_s, want):
+    assert replacement_wait(step_s) == pytest.approx(want)

@@ -74,12 +74,12 @@ def test_diverged_replicas_stop_the_job_naming_the_rank(workdir, test_env):
     assert not (out / "final_0.json").exists()
 
 
-def test_a_newcomer_that_differs_from_its_donor_stops_the_job_before_the_next_commit(
+def test_a_newcomer_that_differs_from_its_donor_stops_the_job_before_its_next_step(
         workdir, test_env):
     # Rank 1 dies in step 4's forward; its spare's optimizer rounds what it receives
     # (--lossy-load). The digest of the recovered state runs beside the first step after
-    # it; the comparison at that step's commit names the newcomer, and the step is never
-    # committed anywhere.
+    # it; the comparison at that step's optimizer step names the newcomer, and the step
+    # is never committed anywhere.
     proc, out = launch(TP_RUN, workdir, test_env, "out",
                        ["--nproc-per-node", "2", "--spares", "1"],
                        ["--steps", "10", "--lossy-load", "--fault", "1:4:forward"])

@@ -20,7 +20,7 @@ from rendezvous import RendezvousInfo
 from tp_launch import channel
 from tp_launch.agent.attempt import Attempt, Proc
 from tp_launch.agent.control import Generation, World
-from tp_launch.agent.decisions import REPLACEMENT_WAIT_S, Phase
+from tp_launch.agent.decisions import Phase, replacement_wait
 from tp_launch.agent.generations import LocalGenerations
 from tp_launch.agent.processes import missing_spares
 from tp_launch.agent.recovery import Recoverer, StopJob
@@ -186,7 +186,7 @@ def test_a_replacement_spare_starts_anyway_when_the_first_step_is_late():
     n.kill(1)
     n.processes.spawn_missing(n.at)
     assert len(n.at.procs) == 3  # waiting for the first step after the recovery...
-    n.at.recovery.decided -= REPLACEMENT_WAIT_S  # ...which has not come in time
+    n.at.recovery.decided -= replacement_wait(0.0)  # ...which has not come in time
     n.processes.spawn_missing(n.at)
     assert len(n.at.procs) == 4
 

@@ -399,10 +399,18 @@ def node_migration_refusal(draining: bool, ranks_here: int, unplaced: int,
 # ---------------------------------------------------------------- spares to start
 
 
-# The longest a promoted spare's replacement waits for the recovered ranks' first step:
-# past it (a slow first step, or a script that waits for a parked spare before stepping)
-# it starts anyway.
+# The longest a promoted spare's replacement waits for the recovered ranks' first step.
 REPLACEMENT_WAIT_S = 10.0
+
+
+def replacement_wait(step_s: float) -> float:
+    """How long after a recovery's generation a promoted spare's replacement waits for
+    the recovered ranks' first step (``step_s``: the job's recent step time, 0 unknown):
+    three steps (the transfer, the first step and its comparison), at least 2 s, at most
+    :data:`REPLACEMENT_WAIT_S`. Past it the replacement starts anyway: a first step that
+    is slow for another reason, or a script that waits for a parked spare inside it,
+    must not keep the pool short for long."""
+    return min(REPLACEMENT_WAIT_S, max(2.0, 3 * step_s))
 
 
 def spares_to_start(pool: int, unplaced: int, waiting: int, starting: int,
@@ -413,7 +421,7 @@ def spares_to_start(pool: int, unplaced: int, waiting: int, starting: int,
     (``--spare-policy wait``); ``starting``: spare processes started here, not dead,
     not holding a rank (starting or parked); ``recovering``: a recovery on this node
     whose ranks have not all committed their first step after it (for at most
-    :data:`REPLACEMENT_WAIT_S`).
+    :func:`replacement_wait`).
 
     Ranks that wait for a spare get one started each, beside the pool: two ranks lost
     with ``--spares 1`` would otherwise wait for a second spare that never starts. The

@@ -23,7 +23,7 @@ import time
 from tp_launch import progress
 from tp_launch.agent.attempt import Attempt, Proc
 from tp_launch.agent.control import SpareRestarts
-from tp_launch.agent.decisions import REPLACEMENT_WAIT_S, spares_to_start
+from tp_launch.agent.decisions import replacement_wait, spares_to_start
 from tp_launch.agent.failures import exit_description
 from tp_launch.agent.worker_env import (PER_WORKER_VARS, spare_env, without_agent_secrets,
                                         worker_argv, worker_env)
@@ -52,7 +52,7 @@ def missing_spares(at: Attempt) -> int:
                    and p.slot not in at.retired)
     waiting = sum(1 for node in at.pending.no_spare.values() if node == at.world.node)
     recovering = at.recovery is not None and \
-        time.time() - at.recovery.decided < REPLACEMENT_WAIT_S
+        time.time() - at.recovery.decided < replacement_wait(at.clock.step_s)
     return spares_to_start(at.pool, len(at.unplaced), waiting, starting, recovering)
 
 

@@ -20,10 +20,14 @@ are neither modules nor optimizers: a data loader's position; small) and the str
 of the rest. The tensors of the modules and optimizers, which nothing changes before the
 optimizer step (the iteration's point of no return, :mod:`tp_launch.resilient.rollback`),
 are digested on a thread of their own while the first iteration's forward and backward
-run; the first optimizer step waits for that thread (:meth:`ReplicaCheck.ready`, from the
-step pre-hook). The digests are compared at the **first commit after the recovery,
-before it is recorded**: a divergence stops the job before any step taken from the
-recovered state is committed (no restore point, buddy copy or progress of it exists).
+run. The digests are compared at the **first optimizer step after the recovery, just
+before it** (from its step pre-hook; at the iteration's commit if it has no optimizer
+step): a divergence stops the job before the recovered state is changed or any step
+taken from it committed (no restore point, buddy copy or progress of it exists). Not at
+the commit: the comparison is a collective, and a rank blocked in a collective after its
+optimizer step cannot go back to its commit when a peer dies there (CI caught exactly
+that: a rank killed at its first optimizer step after a recovery left the newcomer, the
+only other holder, past its own step and the state lost).
 Without a registered optimizer nothing marks when the parameters change: the whole
 digest is taken at once, as ``--verify-every``'s checks at a commit are.
 
@@ -158,8 +162,7 @@ class ReplicaCheck:
             self._error = e
 
     def ready(self) -> None:
-        """Wait until this rank's digest is complete (before anything changes what it
-        reads: the optimizer step)."""
+        """Wait until this rank's digest is complete."""
         if self._thread is not None:
             t0 = time.monotonic()
             self._thread.join()

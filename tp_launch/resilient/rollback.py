@@ -171,7 +171,7 @@ class Rollback:
     Args:
         state: the registered state. Its optimizers get a step pre-hook: the point of
             no return (and, outside one of the State's loops, a usage error).
-        on_step: called at the point of no return (once per iteration).
+        on_step: called at the point of no return, just before it (once per iteration).
     """
 
     def __init__(self, state: State, on_step: Callable[[], None] | None = None) -> None:
@@ -239,10 +239,13 @@ class Rollback:
                 "/state.batches()): resilient mode commits whole iterations; see the README")
         if self.dirty:
             return
+        if self._on_step is not None:
+            # Before the point of no return: what it does may fail with a dead peer (the
+            # replicas' comparison after a recovery is a collective), and a rank that
+            # fails there can still go back to its commit.
+            self._on_step()
         self.dirty = True
         self._seq_at_step = group.sequence_number()
-        if self._on_step is not None:
-            self._on_step()
         if self.snapshot_on:
             optimizers = list(self.state.optimizers.values())
             params = {id(p): p for rec in self._modules.values() for p in rec.params}

@@ -10,7 +10,7 @@ optimizer built) and connects to its agent there. Then, in a loop:
 2. build the generation's group (:mod:`tp_launch.resilient.group`), agree on the step
    and receive or send the state (:mod:`tp_launch.resilient.transfer`); begin the
    replicas' check (:mod:`tp_launch.resilient.replicas`: digested beside the first
-   iteration, compared at its commit);
+   iteration, compared at its optimizer step);
 3. call ``train(state)``. Its loop (``state.steps()``, ``state.epochs()``/``batches()``)
    commits every iteration that ends (:mod:`tp_launch.resilient.state`), and at each
    commit this module records the restore point (:mod:`tp_launch.resilient.rollback`),
@@ -175,11 +175,7 @@ class _ResilientHooks(Hooks):
 
     def committed(self, state: State) -> None:
         r, link = self.r, self.r.link
-        check, r.check = r.check, None
-        if check is not None:  # the first commit after a recovery: not before this
-            t0 = time.monotonic()
-            check.compare()
-            r.check_s = check.waited_s + time.monotonic() - t0
+        r.compare_replicas()  # an iteration without an optimizer step: not compared yet
         r.rollback.capture()
         r._record(provisional=False)
         if link.board is not None:
@@ -225,8 +221,9 @@ class _Runner:
         self.backend = backend
         self.timeout = timeout or datetime.timedelta(minutes=30)
         self.rollback = Rollback(state, on_step=self._at_optimizer_step)
-        # The replicas' check begun at the last recovery, until the first commit after
-        # it compares (:mod:`tp_launch.resilient.replicas`); what it cost that step.
+        # The replicas' check begun at the last recovery, until the first optimizer step
+        # (or commit) after it compares (:mod:`tp_launch.resilient.replicas`); what it
+        # cost that step.
         self.check: ReplicaCheck | None = None
         self.check_s = 0.0
         self.layouts = Layouts(lambda: state.cursor.step)
@@ -409,12 +406,26 @@ class _Runner:
         rollback.capture()
 
     def _at_optimizer_step(self) -> None:
-        """The iteration's point of no return: the parameters change from here on."""
-        if self.check is not None:
-            self.check.ready()
+        """Just before the iteration's point of no return: the parameters change next."""
+        self.compare_replicas()
         if self.copies is not None:
             self.copies.copied()
         self._record(provisional=True)
+
+    def compare_replicas(self) -> None:
+        """The first iteration after a recovery, at its optimizer step (or its commit,
+        without one): the ranks compare the digests of the recovered state, before
+        anything taken from it is committed; still restorable (a peer that dies during
+        the comparison leaves this rank at its commit).
+
+        Raises:
+            Diverged: the replicas differ.
+        """
+        check, self.check = self.check, None
+        if check is not None:
+            t0 = time.monotonic()
+            check.compare()
+            self.check_s = check.waited_s + time.monotonic() - t0
 
     def _record(self, provisional: bool) -> None:
         """Write this rank's own state (generators, CPU buffers) to its record: at a
