@@ -121,7 +121,8 @@ def _num(v: Any) -> Optional[float]:
 
 
 def p2p_rate(size: float, optimizer: str, reps: int = 3) -> tuple[int, list[float]]:
-    """(bytes, rates in bytes/s): gloo's point-to-point rate for the state of ``size``."""
+    """(bytes, rates in bytes/s): gloo's point-to-point rate for the state of ``size``,
+    the new pair's first transfer first, then the warmed pair's."""
     out = tempfile.mkdtemp(prefix="tp-bench-")
     try:
         _run([sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -259,15 +260,18 @@ def main() -> None:
                     restarts.setdefault((world, size), []).append(
                         checkpoint_restart(size, world, args))
     after = {size: p2p_rate(size, args.optimizer) for size in sizes}
-    gloo = {size: statistics.median(before[size][1] + after[size][1]) for size in sizes}
+    # Warmed: the median of the later transfers; first: of the new pairs' first ones.
+    gloo = {size: statistics.median(before[size][1][1:] + after[size][1][1:]) for size in sizes}
+    first = {size: statistics.median([before[size][1][0], after[size][1][0]]) for size in sizes}
 
     print(f"\nkill of rank 1 after step {args.kill_step} of {args.steps}, {args.optimizer}, "
           f"{args.reps} reps (medians); load average {load0:.1f} -> {os.getloadavg()[0]:.1f}")
     print("gloo p2p rate (rank 1 -> rank 0, 4 MiB isends; before / after the recovery "
           "runs, median of 3 each): " + "; ".join(
               f"{size:g} MB ({before[size][0] / 1e6:.1f} MB): "
-              f"{_rate(statistics.median(before[size][1]))} / "
-              f"{_rate(statistics.median(after[size][1]))}" for size in sizes))
+              f"{_rate(statistics.median(before[size][1][1:]))} / "
+              f"{_rate(statistics.median(after[size][1][1:]))} warmed, "
+              f"{_rate(first[size])} a new pair's first transfer" for size in sizes))
     if restarts:
         print(f"restart from checkpoint ({args.restart_launcher}, torch.save every "
               f"{args.ckpt_every} steps) at {worlds[0]} ranks")
@@ -307,7 +311,8 @@ def main() -> None:
         cells += ["?" if nbytes is None else f"{nbytes / 1e6:.1f} MB", _rate(rate),
                   _rate(gloo[size])]
         cells.append("?" if rate is None else
-                     f"{rate / gloo[size]:.0%} ({_verdict(rate >= RATE_AIM * gloo[size])})")
+                     f"{rate / gloo[size]:.0%} ({_verdict(rate >= RATE_AIM * gloo[size])}); "
+                     f"{rate / first[size]:.0%} of a new pair's first")
         cells.append(_ms(m["back"]))
         if restarts:
             tr = restarts.get((world, size)) if donors == 0 else None

@@ -23,9 +23,10 @@ there.
 same state: rank 1 sends as many bytes as the model's parameters and optimizer state
 hold to rank 0 the way one donor would, as 4 MiB tensors back to back (all ``isend``,
 then all ``wait``), into receive buffers allocated beforehand (all ``irecv``); timed on
-rank 0 from a barrier to the last receive done, ``--reps`` times after an untimed
-warm-up transfer (the connection, the buffers' first touch). Rank 0 writes "<bytes>
-<seconds> <seconds> ..." to ``$BENCH_OUT/p2p``.
+rank 0 from a barrier to the last receive done: first the new pair's first transfer
+(receive buffers touched beforehand, as a spare's parameters are; a recovery's transfer
+is always its pair's first), then ``--reps`` more on the warmed pair. Rank 0 writes
+"<bytes> <first seconds> <seconds> ..." to ``$BENCH_OUT/p2p``.
 """
 
 from __future__ import annotations
@@ -84,8 +85,12 @@ def p2p() -> None:
             assert work is not None
             work.wait()
 
-    transfer(tensors)  # untimed: the pair's connection, the receive buffers' first touch
-    took = []
+    for t in tensors:  # touched, as a spare's parameters are
+        t.zero_() if rank == 0 else None
+    dist.barrier()
+    t0 = time.perf_counter()
+    transfer(tensors)  # the first transfer of a new pair, as a recovery's is
+    took = [time.perf_counter() - t0]
     for _ in range(args.reps):
         dist.barrier()
         t0 = time.perf_counter()
