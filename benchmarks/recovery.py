@@ -262,7 +262,8 @@ def main() -> None:
     after = {size: p2p_rate(size, args.optimizer) for size in sizes}
     # Warmed: the median of the later transfers; first: of the new pairs' first ones.
     gloo = {size: statistics.median(before[size][1][1:] + after[size][1][1:]) for size in sizes}
-    first = {size: statistics.median([before[size][1][0], after[size][1][0]]) for size in sizes}
+    new_pair = {size: statistics.median([before[size][1][0], after[size][1][0]])
+                for size in sizes}
 
     print(f"\nkill of rank 1 after step {args.kill_step} of {args.steps}, {args.optimizer}, "
           f"{args.reps} reps (medians); load average {load0:.1f} -> {os.getloadavg()[0]:.1f}")
@@ -271,7 +272,7 @@ def main() -> None:
               f"{size:g} MB ({before[size][0] / 1e6:.1f} MB): "
               f"{_rate(statistics.median(before[size][1][1:]))} / "
               f"{_rate(statistics.median(after[size][1][1:]))} warmed, "
-              f"{_rate(first[size])} a new pair's first transfer" for size in sizes))
+              f"{_rate(new_pair[size])} a new pair's first transfer" for size in sizes))
     if restarts:
         print(f"restart from checkpoint ({args.restart_launcher}, torch.save every "
               f"{args.ckpt_every} steps) at {worlds[0]} ranks")
@@ -312,7 +313,7 @@ def main() -> None:
                   _rate(gloo[size])]
         cells.append("?" if rate is None else
                      f"{rate / gloo[size]:.0%} ({_verdict(rate >= RATE_AIM * gloo[size])}); "
-                     f"{rate / first[size]:.0%} of a new pair's first")
+                     f"{rate / new_pair[size]:.0%} of a new pair's first")
         cells.append(_ms(m["back"]))
         if restarts:
             tr = restarts.get((world, size)) if donors == 0 else None

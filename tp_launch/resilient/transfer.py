@@ -262,7 +262,8 @@ def shares(paths: Sequence[tuple[Any, ...]], specs: Sequence[TensorSpec],
         return out
     spread = sorted((i for i, spec in enumerate(specs) if alone(spec) and sharable(paths[i])),
                     key=lambda i: [str(x) for x in paths[i]])
-    load[senders[0]] = sum(specs[i].nbytes for i in range(len(specs)) if i not in set(spread))
+    shared = set(spread)
+    load[senders[0]] = sum(specs[i].nbytes for i in range(len(specs)) if i not in shared)
     for i in spread:
         s = min(senders, key=lambda x: (load[x], senders.index(x)))
         out[s].append(i)
