@@ -145,7 +145,7 @@ def resilient_recovery(size: float, nproc: int, args: argparse.Namespace,
         _run([sys.executable, "-m", "tp_launch", "--nproc-per-node", str(nproc), "--spares", "1",
               "--log-dir", logs, JOB, "--state-mb", str(size), "--steps", str(args.steps),
               "--kill-step", str(args.kill_step), "--optimizer", args.optimizer], out,
-             extra_env={"TP_RUN_DONORS": str(donors)})
+             timeout=args.run_timeout, extra_env={"TP_RUN_DONORS": str(donors)})
         killed = float(open(os.path.join(out, "killed")).read())
         events = [e for p in glob.glob(os.path.join(logs, "*", "recovery.jsonl"))
                   for e in (json.loads(line) for line in open(p) if line.strip())
@@ -233,6 +233,8 @@ def main() -> None:
     ap.add_argument("--skip-restart", action="store_true",
                     help="no restart-from-checkpoint baseline (by default it runs at the "
                     "first world size)")
+    ap.add_argument("--run-timeout", type=float, default=600,
+                    help="seconds before a tp-run run counts as failed (hung)")
     ap.add_argument("--no-one-donor", action="store_true",
                     help="beyond 2 ranks, do not also run with one donor (TP_RUN_DONORS=1)")
     ap.add_argument("--restart-launcher", default="tp-run", choices=sorted(LAUNCHERS),
@@ -248,14 +250,22 @@ def main() -> None:
     before = {size: p2p_rate(size, args.optimizer) for size in sizes}
     runs: dict[tuple[int, float, int], list[dict[str, Any]]] = {}
     restarts: dict[tuple[int, float], list[dict[str, float]]] = {}
+    failed: dict[tuple[int, float, int], int] = {}
     for world in worlds:
         for size in sizes:
             for _ in range(args.reps):
                 # Beyond 2 ranks several survivors hold the state: each sends a share,
                 # and, interleaved, only one does (TP_RUN_DONORS=1).
                 for donors in ((0, 1) if world > 2 and not args.no_one_donor else (0,)):
-                    runs.setdefault((world, size, donors), []).append(
-                        resilient_recovery(size, world, args, donors))
+                    try:
+                        got = resilient_recovery(size, world, args, donors)
+                    except (RuntimeError, subprocess.TimeoutExpired) as e:
+                        # A run that fails or hangs is reported, not averaged in.
+                        print(f"{size:g} MB, {world} ranks, donors {donors or 'all'}: run "
+                              f"failed: {str(e).splitlines()[0][:300]}", flush=True)
+                        failed[(world, size, donors)] = failed.get((world, size, donors), 0) + 1
+                        continue
+                    runs.setdefault((world, size, donors), []).append(got)
                 if not args.skip_restart and world == worlds[0]:
                     restarts.setdefault((world, size), []).append(
                         checkpoint_restart(size, world, args))
@@ -326,6 +336,9 @@ def main() -> None:
             else:
                 cells += ["–"] * 6
         print("| " + " | ".join(cells) + " |")
+    for (world, size, donors), n in sorted(failed.items()):
+        print(f"\n{size:g} MB, {world} ranks, donors {donors or 'all'}: {n} run(s) failed "
+              "(left out above)")
     if missing:
         print(f"\nrecovery.jsonl lacked (or had null) in some records: {', '.join(sorted(missing))}")
     print("\nCompare the columns of one run (the transfer against the gloo rate measured "
