@@ -61,7 +61,7 @@ import torch.distributed as dist
 
 from tp_launch.resilient.sharding import map_tensors
 from tp_launch.resilient.state import Cursor, GenerationChanged
-from tp_launch.resilient.wire import CopyRow, Send, Wait, receive_message, send_message
+from tp_launch.resilient.wire import CopyRow, Send, receive_message, send_message
 
 logger = logging.getLogger(__name__)
 
@@ -347,13 +347,13 @@ class BuddyCopies:
 
     def _send(self, pg: Any, tree: Any) -> None:
         try:
-            send_message(tree, lambda t: pg.send([t], self.holder, 0).wait)
+            send_message(tree, lambda t: pg.send([t], self.holder, 0).wait())
         except Exception as e:  # the holder died, or the generation ended
             logger.info("buddy copy to rank %s not sent: %s", self.holder, e)
 
     def _receive(self, pg: Any, spare: Any) -> None:
-        def recv(t: torch.Tensor) -> Wait:
-            return pg.recv([t], self.ward_rank, 0).wait
+        def recv(t: torch.Tensor) -> None:
+            pg.recv([t], self.ward_rank, 0).wait()
 
         try:
             _, copy = receive_message(recv, _tensors(spare))
