@@ -138,8 +138,9 @@ def decide(rows: Sequence[Holding], *, fresh: bool, copies: bool, built: bool,
         if not copies:
             raise
         return Agreement(Kind.FROM_COPIES, top)
-    return Agreement(Kind.TRANSFER, top, tuple(r for r, s in enumerate(steps) if s == top),
-                     plan, senders=senders(plan, steps, classes, most_donors))
+    donors = tuple(r for r, s in enumerate(steps) if s == top)
+    return Agreement(Kind.TRANSFER, top, donors, plan,
+                     senders=senders(plan, donors, classes, most_donors))
 
 
 def per_rank_generators(rows: Sequence[Holding],
@@ -182,15 +183,13 @@ def donor_plan(steps: Sequence[int], classes: Sequence[Any] | None = None) -> di
     return plan
 
 
-def senders(plan: dict[int, int], steps: Sequence[int], classes: Sequence[Any] | None = None,
-            most: int = 0) -> dict[int, tuple[int, ...]]:
+def senders(plan: dict[int, int], donors: Sequence[int],
+            classes: Sequence[Any] | None = None, most: int = 0) -> dict[int, tuple[int, ...]]:
     """Receiver -> the ranks that send it the state: its donor in ``plan`` first (it
     sends the document), then the other donors of its copy class, in rank order from the
     one after it, so that several receivers' second senders differ too; at most ``most``
     in all (0: every donor of its class). The large tensors are shared among them
     (:func:`tp_launch.resilient.transfer.shares`): the newcomer receives from all at once."""
-    top = max(steps) if steps else -1
-    donors = [r for r, s in enumerate(steps) if s == top]
     out: dict[int, tuple[int, ...]] = {}
     for receiver, first in plan.items():
         key = None if classes is None else classes[receiver]

@@ -213,7 +213,7 @@ class BuddyCopies:
         next collective (the hang detection must find the one that is stuck).
 
         ``stepped_only``: which tensors of the tree only the optimizer step changes
-        (:meth:`tp_launch.resilient.state.State.stepped_only`, by path). Given, only the
+        (:meth:`tp_launch.resilient.state.State.stepped_only`'s, by path). Given, only the
         rest is copied here (small: buffers, the position...); those (the parameters and
         the optimizer's state, nearly all of it) are copied on the exchange's thread
         while the next iteration's forward and backward run, and the optimizer step

@@ -59,7 +59,7 @@ import torch.distributed as dist
 from tp_launch.resilient import sharding
 from tp_launch.resilient.group import all_gather_flat
 from tp_launch.resilient.state import State, digest_tree
-from tp_launch.resilient.wire import EncodeError, encode
+from tp_launch.resilient.wire import EncodeError, encode, host_contiguous
 
 
 class Diverged(RuntimeError):
@@ -69,11 +69,7 @@ class Diverged(RuntimeError):
 def tensor_crc(t: torch.Tensor) -> int:
     """CRC-32 of a tensor's bytes (a DTensor's: its local piece's), read in place where
     the tensor is a contiguous host one (else through a copy)."""
-    t = sharding.local_piece(t).detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    if not t.is_contiguous():
-        t = t.contiguous()
+    t = host_contiguous(t)
     n = t.numel() * t.element_size()
     if n == 0:
         return 0

@@ -194,7 +194,7 @@ class _ResilientHooks(Hooks):
         copies = r.copies
         if copies is not None and copies.due(state.step) and not state.cursor.ended:
             copies.snapshot(lambda: r.carrier.message().to_tree(),
-                            state.stepped_only if state.optimizers else None)
+                            state.stepped_only() if state.optimizers else None)
 
     def check(self, state: State) -> None:
         newer = self.r.link.newer()

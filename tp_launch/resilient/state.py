@@ -194,7 +194,6 @@ class State:
         self._depth = 0  # how many of our loops' bodies are running
         self._long_depth = 0  # how many long_phase() marks are open
         self._callbacks: list[Callable[[], Any]] = []
-        self._param_names: dict[int, set[str]] = {}  # id(module) -> its parameters' names
         self._replaying = False  # epochs() restored the pass's generators: batches() need not
         self._resume_rng: dict[str, Any] | None = None  # the committed ones, meanwhile
         self._broken: tuple[list[Callable[[], Any]], bool] | None = None
@@ -220,7 +219,6 @@ class State:
 
     def drop_built(self) -> None:
         """Forget what ``build`` returned (the objects bound to a generation's groups)."""
-        self._param_names = {}  # a new object may take a dropped one's id
         for name in self.built:
             del self.objects[name]
         self.built = set()
@@ -298,22 +296,22 @@ class State:
     def optimizers(self) -> dict[str, torch.optim.Optimizer]:
         return {n: o for n, o in self.objects.items() if isinstance(o, torch.optim.Optimizer)}
 
-    def stepped_only(self, path: tuple[Any, ...]) -> bool:
-        """Whether the tensor at ``path`` of a state tree (``("objects", name, key,
+    def stepped_only(self) -> Callable[[tuple[Any, ...]], bool]:
+        """Whether the tensor at a path of a state tree (``("objects", name, key,
         ...)``) is one that only an optimizer step changes: a registered module's
         parameter, an optimizer's state. The rest (buffers: a forward pass changes
-        them; the position, other objects) may change anywhere in an iteration."""
-        if len(path) < 3 or path[0] != "objects" or path[1] not in self.objects:
-            return False
-        obj = self.objects[path[1]]
-        if isinstance(obj, torch.optim.Optimizer):
-            return path[2] == "state"
-        if isinstance(obj, torch.nn.Module):
-            names = self._param_names.get(id(obj))
-            if names is None:  # once per module object (a rebuild makes new ones)
-                names = self._param_names[id(obj)] = {n for n, _ in obj.named_parameters()}
-            return path[2] in names
-        return False
+        them; the position, other objects) may change anywhere in an iteration. For the
+        objects registered now (take a new one after a rebuild)."""
+        params = {n: {p for p, _ in m.named_parameters()} for n, m in self.modules.items()}
+        optimizers = set(self.optimizers)
+
+        def only(path: tuple[Any, ...]) -> bool:
+            if len(path) < 3 or path[0] != "objects":
+                return False
+            if path[1] in optimizers:
+                return path[2] == "state"
+            return path[2] in params.get(path[1], ())
+        return only
 
     @property
     def others(self) -> dict[str, Any]:

@@ -77,6 +77,7 @@ from tp_launch.resilient.wire import (
     send_tensors,
     tensor_bytes,
     tensor_paths,
+    wait_all,
 )
 
 logger = logging.getLogger(__name__)
@@ -244,7 +245,8 @@ def _sharable(state: State, per_rank: Collection[str]) -> Callable[[tuple[Any, .
     optimizer step changes (:meth:`State.stepped_only`: not a buffer, which can be a
     rank's own, DDP ranks' BatchNorm statistics), of an object the ranks do not keep
     their own."""
-    return lambda path: len(path) > 1 and path[1] not in per_rank and state.stepped_only(path)
+    stepped_only = state.stepped_only()
+    return lambda path: len(path) > 1 and path[1] not in per_rank and stepped_only(path)
 
 
 def shares(paths: Sequence[tuple[Any, ...]], specs: Sequence[TensorSpec],
@@ -278,7 +280,7 @@ def serve(carrier: Carrier, pg: PeerGroup, rank: int,
     everything posted, then waited for. Returns the tensor bytes sent."""
     message = carrier.message()
     tree = message.to_tree()
-    _, tensors, paths = tensor_paths(tree)
+    tensors, paths = tensor_paths(tree)
     specs = [TensorSpec.of(t) for t in tensors]
     sharable = _sharable(carrier.state, message.per_rank_objects)
     pending: list[Optional[Wait]] = []
@@ -293,9 +295,7 @@ def serve(carrier: Carrier, pg: PeerGroup, rank: int,
             sent += send_message(tree, send, others, pending)
         else:
             sent += send_tensors([tensors[i] for i in split[rank]], send, pending)
-    for wait in pending:
-        if wait is not None:
-            wait()
+    wait_all(pending)
     return sent
 
 

@@ -362,11 +362,17 @@ def fill(tree: Any, tensors: Sequence[torch.Tensor]) -> Any:
 def tensor_bytes(t: torch.Tensor) -> bytes:
     """A tensor's raw bytes, through a host copy (no numpy: torch's CPU wheel does not
     bring it); a DTensor's: its local piece's (no collective)."""
+    t = host_contiguous(t)
+    return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
+
+
+def host_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes as a contiguous host tensor: itself where it is one, else a copy;
+    a DTensor's local piece (no collective)."""
     t = local_piece(t).detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.contiguous()
-    return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
+    return t if t.is_contiguous() else t.contiguous()
 
 
 # ---------------------------------------------------------------- on a process group
@@ -398,7 +404,7 @@ def plan_sends(specs: Sequence[TensorSpec], skip: Collection[int] = ()) -> list[
         if i in skip:
             continue
         nbytes = spec.nbytes
-        if nbytes >= _SMALL_BYTES:
+        if alone(spec):
             sends.append([i])
             continue
         if pack and (spec.dtype != pack_dtype or pack_bytes + nbytes > _PACK_BYTES):
@@ -418,14 +424,14 @@ def alone(spec: TensorSpec) -> bool:
     return spec.nbytes >= _SMALL_BYTES
 
 
-def tensor_paths(tree: Any) -> tuple[Any, list[torch.Tensor], list[tuple[Any, ...]]]:
-    """``tree``'s document, its tensors and each tensor's path in the tree (as a receiver
-    finds them with :func:`leaves`)."""
+def tensor_paths(tree: Any) -> tuple[list[torch.Tensor], list[tuple[Any, ...]]]:
+    """``tree``'s tensors and each tensor's path in the tree (as a receiver finds them
+    with :func:`leaves`)."""
     doc, tensors = encode(tree)
     paths: list[tuple[Any, ...]] = [()] * len(tensors)
     for path, leaf in leaves(decode(doc, len(tensors))):
         paths[leaf.index] = path
-    return doc, tensors, paths
+    return tensors, paths
 
 
 def send_message(tree: Any, send: Send, skip: Collection[int] = (),
@@ -442,8 +448,7 @@ def send_message(tree: Any, send: Send, skip: Collection[int] = (),
     sent = 0
     for group in plan_sends(specs, skip):
         if len(group) == 1:
-            t = tensors[group[0]].detach()
-            t = t if t.is_contiguous() else t.contiguous()
+            t = _sendable(tensors[group[0]])
         else:
             device = tensors[group[0]].device
             t = torch.cat([tensors[i].detach().reshape(-1).to(device) for i in group])
@@ -457,15 +462,25 @@ def send_tensors(tensors: Sequence[torch.Tensor], send: Send,
                  pending: Optional[list[Optional[Wait]]] = None) -> int:
     """Send ``tensors``, each alone (a share of a message another sender declared);
     returns the bytes sent. ``pending``: as :func:`send_message`'s."""
-    _settle([send(t.detach() if t.is_contiguous() else t.detach().contiguous())
-             for t in tensors], pending)
+    _settle([send(_sendable(t)) for t in tensors], pending)
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _sendable(t: torch.Tensor) -> torch.Tensor:
+    """A tensor sent alone, where it lies: itself, or a contiguous copy."""
+    t = t.detach()
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def _settle(waits: list[Optional[Wait]], pending: Optional[list[Optional[Wait]]]) -> None:
     if pending is not None:
         pending.extend(waits)
-        return
+    else:
+        wait_all(waits)
+
+
+def wait_all(waits: Sequence[Optional[Wait]]) -> None:
+    """Wait for every posted send or receive (None: it completed when posted)."""
     for w in waits:
         _done(w)
 
@@ -542,7 +557,7 @@ def receive_tensors(specs: Sequence[TensorSpec], buffers: Sequence[torch.Tensor]
             for i in indices:
                 pending.append(other(buffers[i]))
                 got += buffers[i].numel() * buffers[i].element_size()
-        _settle(pending, None)
+        wait_all(pending)
         for t, group in packs:
             offset = 0
             for i in group:
